@@ -1947,7 +1947,8 @@ struct Release {
     /// model's `final_logit_softcapping` says (Gemma 3's).
     uncapped_logits: bool,
     /// Whether a `config.json` without a `text_config` holds the language model's keys at
-    /// its top level, beside `vision_config` (Qwen2.5-VL's releases on the Hub).
+    /// its top level, beside `vision_config` (Qwen2.5-VL's releases on the Hub), and a tie
+    /// flag in `text_config` ties the head whatever the outer one says (Qwen2.5-VL's class).
     flat_text: bool,
 }
 
@@ -2073,9 +2074,15 @@ fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool)
     }
     // Where the folder stores a head of its own, `transformers` keeps it apart from the
     // embedding whatever the flag says.
+    let inner = text.get("tie_word_embeddings").and_then(Value::as_bool);
     let flag = match release.outer_tie {
-        Some(default) => Some(cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(default)),
-        None => text.get("tie_word_embeddings").and_then(Value::as_bool),
+        // Qwen2.5-VL's class also ties where `text_config` says so (saves before
+        // `transformers` 5 left the outer flag out and put it there).
+        Some(default) => Some(
+            cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(default)
+                || (release.flat_text && inner == Some(true)),
+        ),
+        None => inner,
     };
     let stored = stores_head();
     if flag.is_some() || stored {
@@ -2175,6 +2182,16 @@ pub(crate) fn release_config(release: &Map<String, Value>, mut text: Value) -> V
     let mut out = release.clone();
     // Written in floats.
     out.remove("quantization_config");
+    // A release that held its language model's keys at the top level holds them in
+    // `text_config` alone now.
+    if !release.contains_key("text_config") && release_of(release).is_some_and(|r| r.flat_text) {
+        let moved: Vec<String> = text.as_object().map(|t| t.keys().cloned().collect()).unwrap_or_default();
+        for key in moved.iter().map(String::as_str).chain(["rope_scaling", "rope_theta"]) {
+            if !matches!(key, "model_type" | "tie_word_embeddings" | "bos_token_id" | "eos_token_id") {
+                out.remove(key);
+            }
+        }
+    }
     out.insert("text_config".into(), text);
     out.insert("tie_word_embeddings".into(), tied);
     Value::Object(out)
@@ -3324,7 +3341,7 @@ impl Keys<'_> {
             }
             (Some(types), _) => Some(types),
             (None, Qwen2 | Qwen2_5Vl | Qwen3) => {
-                let first = self.int("max_window_layers")?.unwrap_or(28);
+                let first = self.int("max_window_layers")?.unwrap_or(if family == Qwen2_5Vl { 80 } else { 28 });
                 Some(derived(&|i| window.is_some() && i >= first))
             }
             // Qwen2-MoE slides every other layer below max_window_layers.
@@ -3828,6 +3845,20 @@ mod tests {
         assert_eq!(family, Family::Qwen2_5Vl);
         assert_eq!((c.qkv_bias, c.o_bias, c.rope_theta, c.tie_embeddings), (true, false, 1e6, true));
         assert_eq!((c.rope_scaling, c.sliding_window, c.norm_eps), (RopeScaling::None, None, 1e-5));
+        // Saved before transformers 5: the tie flag in text_config alone, no stored head.
+        let mut nested_tie = cfg.clone();
+        nested_tie.as_object_mut().unwrap().remove("tie_word_embeddings");
+        nested_tie["text_config"] = json!({"tie_word_embeddings": true});
+        for (key, value) in cfg
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| !["model_type", "vision_config", "tie_word_embeddings"].contains(&k.as_str()))
+        {
+            nested_tie["text_config"][key] = value.clone();
+        }
+        let keys = language_model_keys(nested_tie.as_object().unwrap(), &|| false).unwrap();
+        assert_eq!(keys["tie_word_embeddings"], json!(true), "text_config's flag ties the head");
         let nested = json!({"model_type": "qwen3_vl", "hidden_size": 32});
         let why = language_model_keys(nested.as_object().unwrap(), &|| false).unwrap_err();
         assert!(why.contains("a qwen3_vl folder without a text_config object"), "{why}");
@@ -3849,6 +3880,7 @@ mod tests {
         let flat =
             json!({"model_type": "qwen2_5_vl", "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}});
         let out = release_config(flat.as_object().unwrap(), written.clone());
+        assert_eq!((&out["model_type"], &out["rope_scaling"]), (&json!("qwen2_5_vl"), &Value::Null), "moved");
         let rope = &out["text_config"]["rope_parameters"];
         assert_eq!(
             (&rope["mrope_section"], &rope["rope_type"], &rope["type"]),
