@@ -541,6 +541,20 @@ impl Family {
         }
     }
 
+    /// Whether the dense family's class always norms each head's queries and keys.
+    fn norms_queries_and_keys(self) -> bool {
+        matches!(
+            self,
+            Family::Qwen3
+                | Family::Qwen3Vl
+                | Family::Gemma3
+                | Family::Gemma4
+                | Family::Exaone4
+                | Family::HunYuanDense
+                | Family::Apertus
+        )
+    }
+
     /// Whether the family is Cohere's (layer norms, the parallel block, scaled logits).
     fn is_cohere(self) -> bool {
         matches!(self, Family::Cohere | Family::Cohere2)
@@ -1017,19 +1031,8 @@ impl Family {
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
         let next = self.linear_attention_family();
-        let qk_norm_family = matches!(
-            dense,
-            Family::Qwen3
-                | Family::Qwen3Vl
-                | Family::Gemma3
-                | Family::Gemma4
-                | Family::Exaone4
-                | Family::HunYuanDense
-                | Family::Apertus
-        ) || olmoe
-            || next
-            || self.is_olmo()
-            || self == Family::MiniMaxM2;
+        let qk_norm_family =
+            dense.norms_queries_and_keys() || olmoe || next || self.is_olmo() || self == Family::MiniMaxM2;
         let gemma4 = self == Family::Gemma4;
         let glm = self == Family::Glm4Moe;
         let (starcoder2, nemotron) = (self == Family::Starcoder2, self == Family::Nemotron);
@@ -2825,16 +2828,8 @@ impl Keys<'_> {
             parallel_block: cohere,
             logit_scale: if cohere { Some(self.float("logit_scale")?.unwrap_or(0.0625)) } else { None },
             activation,
-            qk_norm: matches!(
-                family,
-                Family::Qwen3
-                    | Family::Qwen3Vl
-                    | Family::Gemma3
-                    | Family::Gemma4
-                    | Family::Exaone4
-                    | Family::HunYuanDense
-                    | Family::Apertus
-            ) || olmoe
+            qk_norm: family.norms_queries_and_keys()
+                || olmoe
                 || olmo
                 || next
                 || minimax
