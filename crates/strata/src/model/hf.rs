@@ -1881,8 +1881,7 @@ impl Quantization {
             "mxfp4" => Ok(Some(Quantization::Mxfp4)),
             "fp8" => Ok(Some(Quantization::Fp8 { block })),
             other => Err(format!(
-                "config.json: quantized weights ({other}) are not read; give a folder of floating-point or \
-                 fine-grained fp8 weights"
+                "config.json: quantized weights ({other}) are not read; give a folder of floating-point or fine-grained fp8 weights"
             )),
         }
     }
