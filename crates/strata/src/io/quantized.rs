@@ -196,29 +196,21 @@ mod tests {
     fn fp8_tiles_restore_each_value_by_its_own_scale() {
         // Small integers: exact in E4M3.
         let values = Tensor::arange(35, (Kind::Float, tch::Device::Cpu)).remainder(9).view([5, 7]) - 4.0;
-        let tile_scale = |i: i64, j: i64| [[2.0, 3.0], [5.0, 0.5]][(i / 4) as usize][(j / 4) as usize];
-        let expected = Tensor::from_slice(
-            &(0..35).map(|k| ((k % 9) as f32 - 4.0) * tile_scale(k / 7, k % 7) as f32).collect::<Vec<_>>(),
-        )
-        .view([5, 7]);
+        // The values, each times the scale of its 4 × 4 tile in `table`.
+        let tiled = |table: [[f32; 2]; 2]| {
+            let scaled: Vec<f32> = (0..35).map(|k| ((k % 9) as f32 - 4.0) * table[k / 7 / 4][k % 7 / 4]).collect();
+            Tensor::from_slice(&scaled).view([5, 7])
+        };
+        let expected = tiled([[2.0, 3.0], [5.0, 0.5]]);
         let floats = Tensor::from_slice(&[2.0f32, 3.0, 5.0, 0.5]).view([2, 2]);
         let exponents = Tensor::from_slice(&[128u8, 128 + 1, 128 + 1, 126]).view([2, 2]);
-        let exponent_values = Tensor::from_slice(&[2.0f32, 4.0, 4.0, 0.5]).view([2, 2]);
-        let by_exponents = Tensor::from_slice(
-            &(0..35)
-                .map(|k| {
-                    let (i, j) = ((k / 7 / 4) as usize, (k % 7 / 4) as usize);
-                    ((k % 9) as f32 - 4.0) * [[2.0f32, 4.0], [4.0, 0.5]][i][j]
-                })
-                .collect::<Vec<_>>(),
-        )
-        .view([5, 7]);
+        let by_exponents = tiled([[2.0, 4.0], [4.0, 0.5]]);
         let restored = dequantize_fp8("w", &fp8(&values), &floats, Some([4, 4])).unwrap();
         assert!(restored.equal(&expected), "{restored}");
         let restored = dequantize_fp8("w", &fp8(&values), &floats.to_kind(Kind::BFloat16), Some([4, 4])).unwrap();
         assert!(restored.equal(&expected));
         let restored = dequantize_fp8("w", &fp8(&values), &exponents, Some([4, 4])).unwrap();
-        assert!(restored.equal(&by_exponents), "{restored} {exponent_values}");
+        assert!(restored.equal(&by_exponents), "{restored}");
         // One scale for the whole tensor, and a stack of experts with a grid each.
         let restored = dequantize_fp8("w", &fp8(&values), &Tensor::from_slice(&[0.25f32]), Some([4, 4])).unwrap();
         assert!(restored.equal(&(&values * 0.25)));
