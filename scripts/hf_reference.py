@@ -461,6 +461,26 @@ def decoder_families():
             embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
             tie_word_embeddings=False, router_aux_loss_coef=0.02,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Granite 4 (its H models): Granite's multipliers, Mamba-2 mixers (four heads in two
+        # groups, chunks of 8 positions, so that the test rows span two) on three layers of
+        # four and attention turning no position on the other; four experts, two per token,
+        # beside every layer's shared_mlp.
+        "granite4-hybrid": lambda: (tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(
+            **dict(common, intermediate_size=24), num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=20, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=False, router_aux_loss_coef=0.02,
+            position_embedding_type="nope", layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=8, mamba_conv_bias=True, mamba_proj_bias=False)),
+        # Granite 4 without experts (its Micro and Nano models): the shared_mlp alone,
+        # attention turning positions, biases on the mixer's projections, the step bounded.
+        "granite4-dense": lambda: (tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(
+            **common, num_hidden_layers=2, num_local_experts=0, shared_intermediate_size=40,
+            embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.25, logits_scaling=2.0,
+            tie_word_embeddings=True, position_embedding_type="rope", layer_types=["attention", "mamba"],
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0}, mamba_n_heads=8, mamba_n_groups=1,
+            mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
+            time_step_limit=(0.0, 1.2))),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers
@@ -580,13 +600,19 @@ def build(family, seed):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
-            # Linear attention decays by exp(-A·softplus(a + dt_bias)) per position: with A drawn
+            # Linear attention and Mamba-2 decay by exp(-A·softplus(a + dt_bias)) per position: with A drawn
             # up to 16 (transformers' initialisation) a head forgets at once and its decay
             # takes a vanishing gradient, which AdamW normalises into a full step decided by
             # rounding. Decays of every head kept alive here.
             for name, p in model.named_parameters():
                 if name.endswith("linear_attn.A_log"):
                     p.copy_(torch.empty_like(p).uniform_(0.5, 2.0).log())
+                # A Mamba-2 convolution's bias is what a padded position would write into the
+                # state: drawn large, and the state kept long, so that writing it shows.
+                if name.endswith("mamba.A_log"):
+                    p.copy_(torch.empty_like(p).uniform_(0.05, 0.3).log())
+                if name.endswith("mamba.conv1d.bias"):
+                    p.normal_(0.0, 2.0)
             # The choice bias is a buffer: draw it so that it changes which experts are chosen.
             # Gemma 4's block scalars are buffers too, stored and never trained; ERNIE 4.5 keeps
             # its choice bias as a parameter without a gradient.
@@ -616,6 +642,12 @@ def build(family, seed):
                     w[2:] = 0.0
         return model
     raise SystemExit(f"unknown family {family}")
+
+
+def routes_experts(config):
+    """Whether a language model's class has a load-balancing loss to return: a mixture of
+    experts' (Granite 4's class keeps the key without experts, and fails when asked)."""
+    return hasattr(config, "router_aux_loss_coef") and getattr(config, "num_local_experts", 1) != 0
 
 
 def load(folder):
@@ -1063,7 +1095,7 @@ def main(argv=None):
     elif args.command == "logits":
         model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
-        experts = hasattr(model.config.get_text_config(), "router_aux_loss_coef")
+        experts = routes_experts(model.config.get_text_config())
         mask = torch.tensor(json.loads(args.mask), dtype=torch.long) if args.mask else None
         with torch.no_grad():
             out = model(tokens, attention_mask=mask, output_router_logits=True) if experts else model(tokens)
@@ -1194,7 +1226,7 @@ def main(argv=None):
             # A mixture of experts trains its routers through the load-balancing loss too.
             # An image-text release's loss weights are its language model's.
             text = model.config.get_text_config()
-            experts = hasattr(text, "router_aux_loss_coef")
+            experts = routes_experts(text)
             out = model(x, output_router_logits=True) if experts else model(x)
             logits = out.logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

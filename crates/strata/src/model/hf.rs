@@ -18,6 +18,7 @@
 use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
 use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, Multipliers, NormKind};
+use super::mamba::StateSpaceConfig;
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
 use super::{
@@ -119,6 +120,10 @@ pub enum Family {
     /// Granite-MoE (`granitemoe`): Granite's decoder with experts on every layer, stacked in
     /// its files under their own names.
     GraniteMoe,
+    /// Granite 4 (`granitemoehybrid`): Granite's multipliers, Mamba-2 mixers on the layers
+    /// `layer_types` marks (the others attention, turning positions or none), and on every
+    /// layer its `shared_mlp`, beside Granite-MoE's experts where it has experts.
+    GraniteMoeHybrid,
     /// Llama 4's language model (`llama4_text`): heads turned as adjacent pairs on three
     /// layers of four, attending within chunks there, their queries and keys normed without
     /// a weight; the others turning no position, their queries scaled up with it; experts
@@ -255,7 +260,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 47] = [
+const FAMILIES: [Family; 48] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -284,6 +289,7 @@ const FAMILIES: [Family; 47] = [
     Family::HunYuanMoe,
     Family::Granite,
     Family::GraniteMoe,
+    Family::GraniteMoeHybrid,
     Family::Llama4,
     Family::Mixtral,
     Family::MiniMaxM2,
@@ -337,6 +343,7 @@ impl Family {
             Family::HunYuanMoe => "hunyuan_v1_moe",
             Family::Granite => "granite",
             Family::GraniteMoe => "granitemoe",
+            Family::GraniteMoeHybrid => "granitemoehybrid",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
             Family::MiniMaxM2 => "minimax_m2",
@@ -401,6 +408,7 @@ impl Family {
             Family::HunYuanMoe => "HunYuanMoEV1",
             Family::Granite => "Granite",
             Family::GraniteMoe => "GraniteMoe",
+            Family::GraniteMoeHybrid => "GraniteMoeHybrid",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
             Family::MiniMaxM2 => "MiniMaxM2",
@@ -442,6 +450,7 @@ impl Family {
                 | Family::Ernie4_5Moe
                 | Family::Granite
                 | Family::GraniteMoe
+                | Family::GraniteMoeHybrid
                 | Family::Apertus
                 | Family::Llama4
                 | Family::Cohere
@@ -576,7 +585,7 @@ impl Family {
             Family::Qwen3VlMoe => Family::Qwen3Vl,
             Family::Qwen3_5Moe => Family::Qwen3_5,
             Family::Ernie4_5Moe => Family::Ernie4_5,
-            Family::GraniteMoe => Family::Granite,
+            Family::GraniteMoe | Family::GraniteMoeHybrid => Family::Granite,
             Family::HunYuanMoe => Family::HunYuanDense,
             Family::Olmoe
             | Family::MiniMaxM2
@@ -597,7 +606,9 @@ impl Family {
     pub fn expert_stacking(self) -> Option<ExpertStacking> {
         match self {
             Family::GptOss => Some(ExpertStacking::Interleaved),
-            Family::Mistral4 | Family::Gemma4 | Family::GraniteMoe => Some(ExpertStacking::Concatenated),
+            Family::Mistral4 | Family::Gemma4 | Family::GraniteMoe | Family::GraniteMoeHybrid => {
+                Some(ExpertStacking::Concatenated)
+            }
             Family::Llama4 => Some(ExpertStacking::InputMajor),
             // Released input-major, saved by `transformers` 5 output-major: `io` reads either.
             Family::Qwen3VlMoe => Some(ExpertStacking::Concatenated),
@@ -672,6 +683,9 @@ impl Family {
         if c.latent.is_some() && c.moe.is_none() {
             return Err(Error::Config("latent attention without experts has no family to be written as".into()));
         }
+        if c.shared_mlp || c.state_space.is_some() {
+            return Ok(Family::GraniteMoeHybrid);
+        }
         if let Some(moe) = &c.moe {
             return Ok(match c {
                 c if c.layer_scalar || moe.beside_dense => Family::Gemma4,
@@ -733,8 +747,11 @@ impl Family {
         let olmoe = self == Family::Olmoe;
         let moe = c.moe.as_ref();
         let experts = [
-            // Gemma 4's experts are an option of its layers.
-            (moe.is_some() != self.has_experts() && self != Family::Gemma4, "experts"),
+            // Gemma 4's and Granite 4's experts are an option of their layers.
+            (
+                moe.is_some() != self.has_experts() && !matches!(self, Family::Gemma4 | Family::GraniteMoeHybrid),
+                "experts",
+            ),
             (
                 moe.is_some_and(|m| {
                     let block = [
@@ -845,17 +862,34 @@ impl Family {
                  experts' width without a gate)",
             ),
             (
-                moe.is_some_and(|m| (m.names == ExpertNames::InputOutputLinear) != (self == Family::GraniteMoe)),
+                moe.is_some_and(|m| {
+                    (m.names == ExpertNames::InputOutputLinear)
+                        != matches!(self, Family::GraniteMoe | Family::GraniteMoeHybrid)
+                }),
                 "Granite-MoE's names",
             ),
             (
                 moe.is_some_and(|m| !m.norm_topk)
-                    && matches!(self, Family::Mixtral | Family::Qwen3_5Moe | Family::GraniteMoe | Family::Qwen3VlMoe),
+                    && matches!(
+                        self,
+                        Family::Mixtral
+                            | Family::Qwen3_5Moe
+                            | Family::GraniteMoe
+                            | Family::GraniteMoeHybrid
+                            | Family::Qwen3VlMoe
+                    ),
                 "routing weights that are not renormalised",
             ),
             (
                 moe.is_some_and(|m| m.sparse_step != 1 || !m.dense_layers.is_empty())
-                    && matches!(self, Family::Mixtral | Family::Olmoe | Family::Qwen3_5Moe | Family::GraniteMoe),
+                    && matches!(
+                        self,
+                        Family::Mixtral
+                            | Family::Olmoe
+                            | Family::Qwen3_5Moe
+                            | Family::GraniteMoe
+                            | Family::GraniteMoeHybrid
+                    ),
                 "dense layers among sparse ones",
             ),
             (
@@ -869,8 +903,23 @@ impl Family {
             ),
             (
                 !c.unrotated_layers.is_empty()
-                    && !matches!(self, Family::SmolLm3 | Family::Exaone4 | Family::Llama4 | Family::Cohere2),
+                    && !matches!(
+                        self,
+                        Family::SmolLm3 | Family::Exaone4 | Family::Llama4 | Family::Cohere2 | Family::GraniteMoeHybrid
+                    ),
                 "layers that turn no position",
+            ),
+            // Granite 4's attention turns positions on every layer or none.
+            (
+                self == Family::GraniteMoeHybrid
+                    && !c.unrotated_layers.is_empty()
+                    && c.unrotated_layers.len() as i64 != c.layers,
+                "layers that turn no position beside layers that do",
+            ),
+            (
+                (c.shared_mlp || c.state_space.is_some()) != (self == Family::GraniteMoeHybrid)
+                    || self == Family::GraniteMoeHybrid && !c.shared_mlp,
+                "Granite 4's shared_mlp and Mamba-2 layers",
             ),
             // EXAONE 4 turns no position on exactly its full layers, where it has a window.
             (
@@ -1158,7 +1207,7 @@ impl Family {
             Family::Glm4 => &[&GLM4_NORMS],
             Family::HunYuanDense | Family::HunYuanMoe => &[&HUNYUAN_NORMS],
             Family::Apertus => &[&APERTUS_NORMS],
-            Family::GraniteMoe => &[&GRANITE_MOE_STACKS],
+            Family::GraniteMoe | Family::GraniteMoeHybrid => &[&GRANITE_MOE_STACKS],
             _ => &[],
         };
         lists.iter().flat_map(|list| list.iter().copied())
@@ -1596,6 +1645,32 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["linear_value_head_dim"] = json!(l.value_dim);
         v["linear_conv_kernel_dim"] = json!(l.conv_kernel);
     }
+    if family == Family::GraniteMoeHybrid {
+        // The names Granite 4's releases use, which every version of its class reads.
+        let types: Vec<&str> =
+            (0..c.layers as usize).map(|i| if c.is_linear(i) { "mamba" } else { "attention" }).collect();
+        v["layer_types"] = json!(types);
+        v["position_embedding_type"] = json!(if c.unrotated_layers.is_empty() { "rope" } else { "nope" });
+        v["shared_intermediate_size"] = json!(c.hidden());
+        // Without experts, none; with them, `experts_json` below names them.
+        v["num_local_experts"] = json!(0);
+        if let Some(m) = &c.state_space {
+            let expand = m.inner() as f64 / c.dim as f64;
+            v["mamba_expand"] = if m.inner() % c.dim == 0 { json!(m.inner() / c.dim) } else { json!(expand) };
+            v["mamba_n_heads"] = json!(m.heads);
+            v["mamba_d_head"] = json!(m.head_dim);
+            v["mamba_n_groups"] = json!(m.groups);
+            v["mamba_d_state"] = json!(m.state);
+            v["mamba_d_conv"] = json!(m.conv_kernel);
+            v["mamba_chunk_size"] = json!(m.chunk);
+            v["mamba_conv_bias"] = json!(m.conv_bias);
+            v["mamba_proj_bias"] = json!(m.proj_bias);
+            // JSON has no infinity: the class's default stands for an unbounded step.
+            if m.time_step_min != 0.0 || m.time_step_max.is_some() {
+                v["time_step_limit"] = json!([m.time_step_min, m.time_step_max.unwrap_or(f64::MAX)]);
+            }
+        }
+    }
     if let Some(l) = &c.latent {
         v["q_lora_rank"] = json!(l.q_rank);
         v["kv_lora_rank"] = json!(l.kv_rank);
@@ -1703,7 +1778,7 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
             v["router_jitter_noise"] = json!(0.0);
         }
-        Family::GraniteMoe => {
+        Family::GraniteMoe | Family::GraniteMoeHybrid => {
             v["num_local_experts"] = json!(moe.experts);
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
         }
@@ -1914,6 +1989,40 @@ pub fn config_of(path: &Path) -> Result<ModelConfig> {
 /// own keys.
 type ReadConfig = (Family, ModelConfig, Map<String, Value>, Map<String, Value>);
 
+/// How Python's `json` writes an infinite float (Granite 4's `time_step_limit`).
+const PYTHON_INFINITY: &str = "Infinity";
+
+/// `text` with the words Python's `json` writes for numbers JSON has none for
+/// (`Infinity`, `-Infinity`, `NaN`) quoted as strings, so that the keys that take them
+/// read them, where serde_json would refuse the whole file.
+fn quote_python_numbers(text: &str) -> std::borrow::Cow<'_, str> {
+    const WORDS: [&str; 3] = ["-Infinity", "Infinity", "NaN"];
+    if !WORDS.iter().any(|w| text.contains(w)) {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    let (mut in_string, mut escaped) = (false, false);
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if !in_string {
+            if let Some(word) = WORDS.iter().find(|w| rest.starts_with(**w)) {
+                out.push_str(&format!("\"{word}\""));
+                rest = &rest[word.len()..];
+                continue;
+            }
+        }
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            _ => {}
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    out.into()
+}
+
 /// A `config.json`'s family, model and keys ([`ReadConfig`]), checked.
 fn read_config(config_path: &Path) -> Result<ReadConfig> {
     let dir = config_path.parent().unwrap_or(Path::new("."));
@@ -1922,7 +2031,8 @@ fn read_config(config_path: &Path) -> Result<ReadConfig> {
         return Err(fail("no config.json: not a model folder".into()));
     }
     let text = std::fs::read_to_string(config_path).map_err(|e| Error::io(config_path, e))?;
-    let raw: Value = serde_json::from_str(&text).map_err(|e| fail(format!("config.json is not valid JSON ({e})")))?;
+    let raw: Value = serde_json::from_str(&quote_python_numbers(&text))
+        .map_err(|e| fail(format!("config.json is not valid JSON ({e})")))?;
     let cfg = raw.as_object().ok_or_else(|| fail("config.json is not a JSON object".into()))?;
     let stores_head =
         || stored_names(dir).iter().any(|n| n == "lm_head.weight" || n == "language_model.lm_head.weight");
@@ -2554,6 +2664,7 @@ impl Keys<'_> {
         let llama4 = family == Family::Llama4;
         let minimax = family == Family::MiniMaxM2;
         let cohere = family.is_cohere();
+        let granite4 = family == Family::GraniteMoeHybrid;
         if family == Family::Cohere {
             self.only("use_qk_norm", &[json!(false)], "Command R+'s per-head query/key layer norms are not read")?;
         }
@@ -2616,7 +2727,11 @@ impl Keys<'_> {
         let qwen2 = matches!(family, Family::Qwen2 | Family::Qwen2_5Vl);
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
         let layers = self.required("num_hidden_layers")?;
-        let unrotated_layers = if smollm3 || llama4 { self.unrotated_layers(layers)? } else { vec![] };
+        let unrotated_layers = match () {
+            _ if smollm3 || llama4 => self.unrotated_layers(layers)?,
+            _ if granite4 => self.granite4_unrotated(layers)?,
+            _ => vec![],
+        };
         let llama4_attention = if llama4 { Some(self.llama4_attention(layers, &unrotated_layers)?) } else { None };
         let gemma = family.is_gemma();
         let (activation, accepted, named): (_, &[&str], _) = match family {
@@ -2762,6 +2877,7 @@ impl Keys<'_> {
         };
         let (sliding_window, layer_types) = match (&llama4_attention, next) {
             (_, true) => (None, Some(self.linear_layers(layers)?)),
+            _ if granite4 => (None, Some(self.granite4_layers(layers)?)),
             (Some(l), _) => (None, Some(l.layer_types.clone())),
             _ => self.windows(class, layers, &unrotated_layers)?,
         };
@@ -2788,6 +2904,8 @@ impl Keys<'_> {
         };
         let config = LlamaConfig {
             ffn_dim: Some(match (self.int("intermediate_size")?, &moe) {
+                // Granite 4's dense network is its shared_mlp (its experts intermediate_size wide).
+                _ if granite4 => self.int("shared_intermediate_size")?.unwrap_or(1024),
                 (Some(d), _) => d,
                 // Qwen3.5's experts route every layer, so no dense feed-forward has a width.
                 (None, Some(m)) if qwen3_5_moe => m.expert_ffn_dim,
@@ -2867,6 +2985,8 @@ impl Keys<'_> {
             attention_sinks: gpt_oss,
             attention_output_gate: next,
             linear_attention: if next { Some(self.linear_attention(split_projections)?) } else { None },
+            state_space: if granite4 { Some(self.state_space(dim)?) } else { None },
+            shared_mlp: granite4,
             latent,
             // The decoder families' own default is no dropout (Seed-OSS's 0.1).
             dropout: DropoutRates {
@@ -2932,6 +3052,83 @@ impl Keys<'_> {
             value_dim: self.int("linear_value_head_dim")?.unwrap_or(128),
             conv_kernel: self.int("linear_conv_kernel_dim")?.unwrap_or(4),
         })
+    }
+
+    /// Granite 4's Mamba-2 sizes (with `transformers`' defaults; a head's width by default
+    /// `mamba_expand · hidden_size` over the heads).
+    fn state_space(&self, dim: i64) -> KeyResult<StateSpaceConfig> {
+        let heads = self.int("mamba_n_heads")?.unwrap_or(128);
+        let expand = self.float("mamba_expand")?.unwrap_or(2.0);
+        let head_dim = match self.get("mamba_d_head") {
+            Some(Value::String(auto)) if auto == "auto" => (expand * dim as f64) as i64 / heads.max(1),
+            _ => self.int("mamba_d_head")?.unwrap_or((expand * dim as f64) as i64 / heads.max(1)),
+        };
+        if (expand * dim as f64) as i64 != heads * head_dim {
+            return Err(format!(
+                "config.json: mamba_n_heads {heads} of mamba_d_head {head_dim} are not mamba_expand {expand} times \
+                 hidden_size {dim}"
+            ));
+        }
+        let (time_step_min, time_step_max) = match self.get("time_step_limit") {
+            None => (0.0, None),
+            Some(Value::Array(limits)) if limits.len() == 2 => {
+                // Infinity as Python's json writes it (quoted on reading), or as `transformers`
+                // 5 tags it (`{"__float__": "Infinity"}`).
+                let bound = |v: &Value| match v {
+                    Value::String(word) if word == PYTHON_INFINITY => Ok(None),
+                    Value::Object(tagged)
+                        if tagged.get("__float__").and_then(Value::as_str) == Some(PYTHON_INFINITY) =>
+                    {
+                        Ok(None)
+                    }
+                    v => v.as_f64().map(Some).ok_or_else(|| format!("config.json: time_step_limit holds {v}")),
+                };
+                (bound(&limits[0])?.unwrap_or(0.0), bound(&limits[1])?)
+            }
+            Some(other) => return Err(format!("config.json: time_step_limit is not a pair of numbers ({other})")),
+        };
+        Ok(StateSpaceConfig {
+            heads,
+            head_dim,
+            groups: self.int("mamba_n_groups")?.unwrap_or(1),
+            state: self.int("mamba_d_state")?.unwrap_or(256),
+            conv_kernel: self.int("mamba_d_conv")?.unwrap_or(4),
+            chunk: self.int("mamba_chunk_size")?.unwrap_or(256),
+            conv_bias: self.flag("mamba_conv_bias")?.unwrap_or(true),
+            proj_bias: self.flag("mamba_proj_bias")?.unwrap_or(false),
+            time_step_min,
+            time_step_max,
+        })
+    }
+
+    /// Granite 4's layer kinds (`layer_types`, which older folders name `layers_block_type`):
+    /// `mamba` (or `linear_attention`) and `attention` (or `full_attention`); every layer a
+    /// Mamba-2 mixer where neither key is given.
+    fn granite4_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
+        let Some((key, types)) = ["layer_types", "layers_block_type"].iter().find_map(|k| Some((*k, self.get(k)?)))
+        else {
+            return Ok(vec![LayerAttention::Linear; layers as usize]);
+        };
+        let types = types.as_array().ok_or_else(|| format!("config.json: {key} is not a list ({types})"))?;
+        if types.len() as i64 != layers {
+            return Err(format!("config.json: {key} names {} layers of {layers}", types.len()));
+        }
+        let read = |t: &Value| match t.as_str() {
+            Some("mamba" | "linear_attention") => Ok(LayerAttention::Linear),
+            Some("attention" | "full_attention") => Ok(LayerAttention::Full),
+            _ => Err(format!("config.json: {key} holds {t}, not \"mamba\" or \"attention\"")),
+        };
+        types.iter().map(read).collect()
+    }
+
+    /// Granite 4's attention turns positions where `position_embedding_type` is `rope`, and
+    /// none elsewhere (its class's default): every layer, or none, unrotated.
+    fn granite4_unrotated(&self, layers: i64) -> KeyResult<Vec<i64>> {
+        match self.text("position_embedding_type")?.as_deref() {
+            Some("rope") => Ok(vec![]),
+            None | Some("nope") => Ok((0..layers).collect()),
+            Some(other) => Err(format!("config.json: position_embedding_type {other:?} is not \"rope\" or \"nope\"")),
+        }
     }
 
     /// The layers `mlp_layer_types` marks `dense` (the others `sparse`); the first `first`
@@ -3029,7 +3226,8 @@ impl Keys<'_> {
         if family == Family::Llama4 {
             return self.llama4_experts().map(Some);
         }
-        if !family.has_experts() {
+        // Granite 4's layers hold experts where it has some.
+        if !family.has_experts() || family == Family::GraniteMoeHybrid && self.int("num_local_experts")? == Some(0) {
             return Ok(None);
         }
         if family.routes_like_deepseek() {
@@ -3040,7 +3238,7 @@ impl Keys<'_> {
         // Each configuration class's defaults: how many experts, how many a token takes, and
         // (where they have a width of their own) how wide they are.
         let (default_experts, default_top_k, default_width) = match family {
-            Family::Mixtral | Family::GraniteMoe => (8, 2, None),
+            Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeHybrid => (8, 2, None),
             Family::MiniMaxM2 => (256, 8, None),
             Family::Olmoe => (64, 8, None),
             Family::GptOss => (128, 4, None),
@@ -3066,6 +3264,7 @@ impl Keys<'_> {
             | Family::Qwen3_5Moe
             | Family::Qwen3VlMoe
             | Family::GraniteMoe
+            | Family::GraniteMoeHybrid
             | Family::MiniMaxM2 => true,
             Family::Qwen3Next => self.flag("norm_topk_prob")?.unwrap_or(true),
             _ => self.flag("norm_topk_prob")?.unwrap_or(false),
@@ -3104,7 +3303,7 @@ impl Keys<'_> {
             names: match family {
                 Family::Mixtral | Family::MiniMaxM2 => ExpertNames::BlockSparse,
                 Family::GptOss => ExpertNames::Stacked,
-                Family::GraniteMoe => ExpertNames::InputOutputLinear,
+                Family::GraniteMoe | Family::GraniteMoeHybrid => ExpertNames::InputOutputLinear,
                 _ => ExpertNames::Mlp,
             },
             router_bias: family == Family::GptOss,

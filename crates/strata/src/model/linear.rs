@@ -61,6 +61,17 @@ impl LinearAttentionConfig {
         Ok(())
     }
 
+    /// Values a token keeps for the backward beyond the block's residual stream: its
+    /// projections, the convolution's input and output, the normalised queries and keys,
+    /// the chunk's values and corrections and its square matrices (a chunk's entries a
+    /// position per head).
+    pub(crate) fn kept_per_token(&self, dim: i64) -> i64 {
+        let qk = 2 * self.key_heads * self.key_dim;
+        let values = self.value_heads * self.value_dim;
+        let squares = 2 * CHUNK * self.value_heads;
+        4 * dim + 2 * (qk + 2 * values) + 3 * (qk + values) + 4 * values + squares
+    }
+
     /// Channels of the convolution: every query, key and value head.
     fn conv_channels(&self) -> i64 {
         2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
@@ -163,18 +174,10 @@ impl GatedDeltaNet {
                 (p.linear(h, qkv, None)?, p.linear(h, z, None)?, p.linear(h, beta, None)?, p.linear(h, a, None)?)
             }
         };
-        let mixed = mixed.f_transpose(1, 2)?;
-        let (previous, state) = match cache.as_ref().and_then(|c| c.recurrent()) {
-            Some(r) => (r.conv.shallow_clone(), Some(r.state.shallow_clone())),
-            None => (Tensor::f_zeros([b, c.conv_channels(), c.conv_kernel - 1], (mixed.kind(), mixed.device()))?, None),
-        };
-        // Causal: each position sees the kernel's width of inputs ending at it, the first
-        // ones after the cache's (or zeros).
-        let inputs = Tensor::f_cat(&[previous, mixed], -1)?;
-        let kept = inputs.f_narrow(-1, inputs.size()[2] - (c.conv_kernel - 1), c.conv_kernel - 1)?;
-        let weight = p[self.conv].f_to_kind(inputs.kind())?;
-        let convolved =
-            inputs.f_conv1d::<&Tensor>(&weight, None, [1], [0], [1], c.conv_channels())?.f_silu()?.f_transpose(1, 2)?;
+        let recurrent = cache.as_ref().and_then(|c| c.recurrent());
+        let state = recurrent.map(|r| r.state.shallow_clone());
+        let (convolved, kept) = causal_conv(&mixed, &p[self.conv], None, recurrent.map(|r| &r.conv))?;
+        let convolved = convolved.f_silu()?;
         let key_width = c.key_heads * c.key_dim;
         let q = convolved.f_narrow(-1, 0, key_width)?.f_view([b, t, c.key_heads, c.key_dim])?;
         let k = convolved.f_narrow(-1, key_width, key_width)?.f_view([b, t, c.key_heads, c.key_dim])?;
@@ -199,6 +202,31 @@ impl GatedDeltaNet {
         let gated = normed.f_mul(&z.f_to_kind(Kind::Float)?.f_silu()?)?.f_to_kind(h.kind())?;
         p.linear(&gated.f_reshape([b, t, -1])?, self.out, None)
     }
+}
+
+/// The short causal depthwise convolution before a recurrent mixer, over `inputs`
+/// `[B, T, C]` with `weight` `[C, 1, K]` (and `bias` `[C]`): each position sees the kernel's
+/// width of inputs ending at it, the first ones after `previous` (a cache's last `K - 1`
+/// inputs `[B, C, K - 1]`, else zeros). The outputs `[B, T, C]` and the last `K - 1` inputs
+/// to keep.
+pub(crate) fn causal_conv(
+    inputs: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    previous: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (b, channels, width) = (inputs.size()[0], inputs.size()[2], weight.size()[2]);
+    let inputs = inputs.f_transpose(1, 2)?;
+    let previous = match previous {
+        Some(previous) => previous.shallow_clone(),
+        None => Tensor::f_zeros([b, channels, width - 1], (inputs.kind(), inputs.device()))?,
+    };
+    let inputs = Tensor::f_cat(&[previous, inputs], -1)?;
+    let kept = inputs.f_narrow(-1, inputs.size()[2] - (width - 1), width - 1)?;
+    let weight = weight.f_to_kind(inputs.kind())?;
+    let bias = bias.map(|b| b.f_to_kind(inputs.kind())).transpose()?;
+    let out = inputs.f_conv1d(&weight, bias.as_ref(), [1], [0], [1], channels)?;
+    Ok((out.f_transpose(1, 2)?, kept))
 }
 
 /// `x / sqrt(Σ x² + 1e-6)` over the last dimension.

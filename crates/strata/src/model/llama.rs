@@ -33,7 +33,8 @@ use super::layers::{
     layer_norm_unbiased, linear, merge_heads, repeat_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one,
     rms_norm_split, rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
 };
-use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
+use super::linear::{GatedDeltaNet, LinearAttentionConfig};
+use super::mamba::{Mamba2, StateSpaceConfig};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{pairs_as_halves, Placed, QueryScaling, Rope, RopeScaling, Rotation};
 use super::{
@@ -302,6 +303,15 @@ pub struct LlamaConfig {
     /// (Qwen3-Next's Gated DeltaNet).
     #[serde(default)]
     pub linear_attention: Option<LinearAttentionConfig>,
+    /// The sizes of the Mamba-2 mixer of the layers `layer_types` marks `linear` (Granite
+    /// 4's `mamba` layers), in place of [`LlamaConfig::linear_attention`].
+    #[serde(default)]
+    pub state_space: Option<StateSpaceConfig>,
+    /// Granite 4's feed-forward: one gated network named `shared_mlp` (`input_linear`, the
+    /// gate's rows before the up's, and `output_linear`), `ffn_dim` wide, the only one of a
+    /// dense model and summed with the experts' output beside experts, without norms.
+    #[serde(default)]
+    pub shared_mlp: bool,
     /// Each head's attention output is scaled by the sigmoid of a gate the query projection
     /// gives beside the query (`q_proj` twice as wide: per head its query, then its gate;
     /// Qwen3-Next's full attention).
@@ -395,6 +405,8 @@ impl LlamaConfig {
             moe: None,
             attention_sinks: false,
             linear_attention: None,
+            state_space: None,
+            shared_mlp: false,
             attention_output_gate: false,
             latent: None,
             dropout: DropoutRates::NONE,
@@ -438,9 +450,10 @@ impl LlamaConfig {
         }
     }
 
-    /// Whether layer `layer` runs linear attention in place of softmax attention.
+    /// Whether layer `layer` runs linear attention (or a state space mixer) in place of
+    /// softmax attention.
     pub fn is_linear(&self, layer: usize) -> bool {
-        self.linear_attention.is_some()
+        (self.linear_attention.is_some() || self.state_space.is_some())
             && self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Linear))
     }
 
@@ -457,6 +470,7 @@ impl LlamaConfig {
     /// `feed_forward` where its experts are named so.
     pub fn feed_forward_module(&self) -> &'static str {
         match &self.moe {
+            _ if self.shared_mlp => "shared_mlp",
             Some(m) if m.names == super::moe::ExpertNames::FeedForward => "feed_forward",
             _ => "mlp",
         }
@@ -598,6 +612,17 @@ impl LlamaConfig {
         if !self.activation.gated() && (self.fused_projections || self.fused_gate_up) {
             return Err(Error::Config("a feed-forward without a gate has no fused gate_up_proj".into()));
         }
+        if self.shared_mlp
+            && (!self.activation.gated()
+                || self.fc_names
+                || self.fused_projections
+                || self.fused_gate_up
+                || self.moe.as_ref().is_some_and(|m| m.beside_dense || m.shared_expert_dim.is_some()))
+        {
+            return Err(Error::Config(
+                "a shared_mlp is one gated network of its own names beside the experts, without shared experts".into(),
+            ));
+        }
         if self.fc_names && self.activation.gated() {
             return Err(Error::Config("c_fc and c_proj name a feed-forward without a gate".into()));
         }
@@ -619,10 +644,16 @@ impl LlamaConfig {
         if let Some(linear) = &self.linear_attention {
             linear.validate()?;
         }
+        if let Some(state_space) = &self.state_space {
+            state_space.validate()?;
+        }
         let linear_layers = self.layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Linear));
-        if linear_layers != self.linear_attention.is_some() {
+        let mixers = usize::from(self.linear_attention.is_some()) + usize::from(self.state_space.is_some());
+        if usize::from(linear_layers) != mixers {
             return Err(Error::Config(
-                "linear attention needs both its sizes and the layers layer_types marks linear_attention".into(),
+                "linear attention needs one kind's sizes (a Gated DeltaNet's or a Mamba-2 mixer's) and the layers \
+                 layer_types marks linear_attention"
+                    .into(),
             ));
         }
         if self.attention_output_gate && (self.fused_projections || self.latent.is_some()) {
@@ -741,10 +772,15 @@ impl Xielu {
 }
 
 /// A block's feed-forward: one gated network, experts a router chooses among, or both side
-/// by side (Gemma 4).
+/// by side (Gemma 4's with norms of their own, Granite 4's summed as they are).
 enum FeedForward {
     Dense(DenseFeedForward),
     Sparse(Box<SparseFeedForward>),
+    /// Granite 4's `shared_mlp` over the same normed input as the experts, the two summed.
+    BesideShared {
+        shared: DenseFeedForward,
+        sparse: Box<SparseFeedForward>,
+    },
     Both(Box<DenseAndSparse>),
 }
 
@@ -909,10 +945,53 @@ struct AttentionMixer {
     dropout: f64,
 }
 
-/// What mixes a block's positions: softmax attention or linear attention.
+/// What mixes a block's positions: softmax attention or a recurrent mixer.
 enum Mixer {
     Attention(Box<AttentionMixer>),
-    Linear(GatedDeltaNet),
+    Linear(Recurrent),
+}
+
+/// A block's recurrent mixer, whose state runs along the row: Qwen3-Next's Gated DeltaNet
+/// or Granite 4's Mamba-2.
+enum Recurrent {
+    DeltaNet(GatedDeltaNet),
+    StateSpace(Mamba2),
+}
+
+impl Recurrent {
+    /// Declares layer `name`'s recurrent mixer, where `cfg` gives it one.
+    fn declare(u: &mut UnitBuilder<'_>, name: &str, cfg: &LlamaConfig) -> Option<Recurrent> {
+        let d = cfg.dim;
+        match (&cfg.linear_attention, &cfg.state_space) {
+            (Some(l), _) => Some(Recurrent::DeltaNet(GatedDeltaNet::declare(u, name, l, d, cfg.norm_eps))),
+            (_, Some(s)) => Some(Recurrent::StateSpace(Mamba2::declare(u, name, s, d, cfg.norm_eps))),
+            (None, None) => None,
+        }
+    }
+
+    /// Values a token keeps for the backward, beyond the block's residual stream.
+    fn kept_per_token(cfg: &LlamaConfig) -> f64 {
+        let d = cfg.dim;
+        match (&cfg.linear_attention, &cfg.state_space) {
+            (Some(l), _) => l.kept_per_token(d) as f64,
+            (_, Some(s)) => s.kept_per_token(d) as f64,
+            (None, None) => 0.0,
+        }
+    }
+
+    /// The mixer over `h`, `keep` marking a decoded row's tokens (0 for its padding).
+    fn forward(
+        &self,
+        p: &Params<'_>,
+        h: &Tensor,
+        cache: Option<&mut DecodeCache>,
+        keep: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        match self {
+            Recurrent::DeltaNet(net) => net.forward(p, h, cache),
+            Recurrent::StateSpace(mamba) => mamba.forward(p, h, cache, keep),
+        }
+    }
 }
 
 struct LlamaBlock {
@@ -1108,21 +1187,23 @@ impl LlamaBlock {
         let h = tp.enter(&normed)?;
         let attended = match (&self.mixer, cache) {
             (Mixer::Linear(linear), cache) => {
-                let h =
+                let keep =
                     match (p.layout(), &cache) {
                         (Some(_), None) => return Err(Error::Config(
                             "linear attention takes no packed rows: its state would carry from one example to the next"
                                 .into(),
                         )),
-                        // A decoded row's left padding enters as zeros, which leave the
-                        // convolution's inputs and the recurrent state as they start: the text
-                        // follows as if alone.
-                        (Some(layout), Some(_)) => {
-                            h.f_mul(&layout.examples.f_ne(0)?.f_unsqueeze(-1)?.f_to_kind(h.kind())?)?
-                        }
-                        (None, _) => h,
+                        (Some(layout), Some(_)) => Some(layout.examples.f_ne(0)?.f_to_kind(h.kind())?),
+                        (None, _) => None,
                     };
-                linear.forward(p, &h, cache)?
+                // A decoded row's left padding enters as zeros (and leaves a convolution with
+                // a bias as zeros), which leave the convolution's inputs and the recurrent state
+                // as they start: the text follows as if alone.
+                let h = match &keep {
+                    Some(keep) => h.f_mul(&keep.f_unsqueeze(-1)?)?,
+                    None => h,
+                };
+                linear.forward(p, &h, cache, keep.as_ref())?
             }
             (Mixer::Attention(a), mut cache) => {
                 let placed = match p.layout() {
@@ -1170,6 +1251,9 @@ impl LlamaBlock {
         let fed = match &self.feed_forward {
             FeedForward::Dense(dense) => dense.forward(p, &h, &self.kinds)?,
             FeedForward::Sparse(experts) => experts.forward(p, &h, None)?,
+            FeedForward::BesideShared { shared, sparse } => {
+                sparse.forward(p, &h, None)?.f_add(&shared.forward(p, &h, &self.kinds)?)?
+            }
             FeedForward::Both(both) => {
                 let dense = self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds)?, both.after_dense)?;
                 let experts_input = self.kinds.norm(p, &x, both.before_experts)?;
@@ -1332,11 +1416,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let values_from_keys = cfg.full_heads_at(layer).is_some_and(|f| f.values_from_keys);
         // Linear and latent attention declare their own projections; the others project
         // whole heads (with each head's output gate beside its query where there is one).
-        let (linear, latent, attended_width) = match (&cfg.linear_attention, &cfg.latent) {
-            (Some(l), _) if cfg.is_linear(layer) => {
-                (Some(GatedDeltaNet::declare(&mut u, &name, l, d, cfg.norm_eps)), None, 0)
-            }
-            (_, Some(l)) => {
+        let (linear, latent, attended_width) = match &cfg.latent {
+            _ if cfg.is_linear(layer) => (Recurrent::declare(&mut u, &name, cfg), None, 0),
+            Some(l) => {
                 let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope())
                     .with_query_scaling(cfg.query_scaling);
                 (None, Some(attention), heads * l.value_dim)
@@ -1372,9 +1454,13 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
         });
         let o = linear.is_none().then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
-        let dense = (sparse.is_none() || beside_dense).then(|| {
+        let dense = (sparse.is_none() || beside_dense || cfg.shared_mlp).then(|| {
             let module = cfg.feed_forward_module();
-            let (up_name, down_name) = if cfg.fc_names { ("c_fc", "c_proj") } else { ("up_proj", "down_proj") };
+            let (gate_up_name, up_name, down_name) = match () {
+                _ if cfg.shared_mlp => ("input_linear", "up_proj", "output_linear"),
+                _ if cfg.fc_names => ("gate_up_proj", "c_fc", "c_proj"),
+                _ => ("gate_up_proj", "up_proj", "down_proj"),
+            };
             // A column projection's bias splits with its outputs; the down projection's is
             // added once after the row-parallel sum.
             let mut projection = |proj: &str, shape: [i64; 2], tp, bias_tp| -> Dense {
@@ -1387,9 +1473,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     up: projection(up_name, [f, d], TpRole::COLUMN, TpRole::COLUMN),
                     activation,
                 }
-            } else if cfg.fused_projections || cfg.fused_gate_up {
+            } else if cfg.fused_projections || cfg.fused_gate_up || cfg.shared_mlp {
                 let parts = TpRole::Column { parts: 2 };
-                GateUpProjection::Fused(projection("gate_up_proj", [2 * f, d], parts, parts))
+                GateUpProjection::Fused(projection(gate_up_name, [2 * f, d], parts, parts))
             } else {
                 let gate = projection("gate_proj", [f, d], TpRole::COLUMN, TpRole::COLUMN);
                 GateUpProjection::Apart { gate, up: projection(up_name, [f, d], TpRole::COLUMN, TpRole::COLUMN) }
@@ -1444,6 +1530,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         };
         let feed_forward = match (dense, experts) {
             (Some(dense), None) => FeedForward::Dense(dense),
+            (Some(shared), Some(sparse)) if cfg.shared_mlp => {
+                FeedForward::BesideShared { shared, sparse: Box::new(sparse) }
+            }
             (None, Some(sparse)) => FeedForward::Sparse(Box::new(sparse)),
             (Some(dense), Some(sparse)) => FeedForward::Both(Box::new(DenseAndSparse {
                 dense,
@@ -1471,8 +1560,13 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             Some(m) => {
                 let routed = (m.top_k * (4 * m.expert_ffn_dim + 2 * d)) as f64 + 2.0 * m.experts as f64;
                 let shared = m.shared_expert_dim.map_or(0.0, |s| 4.0 * s as f64 + 1.0);
-                // Beside a dense network: its 4·F, and the three norms' inputs and statistics.
-                let dense = if m.beside_dense { 4.0 * cfg.hidden() as f64 + 3.0 * (d + 1) as f64 } else { 0.0 };
+                // Beside a dense network: its 4·F, and (Gemma 4's) the three norms' inputs and
+                // statistics.
+                let dense = match () {
+                    _ if m.beside_dense => 4.0 * cfg.hidden() as f64 + 3.0 * (d + 1) as f64,
+                    _ if cfg.shared_mlp => 4.0 * cfg.hidden() as f64,
+                    _ => 0.0,
+                };
                 (routed + shared + dense, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
             }
             None => {
@@ -1483,22 +1577,14 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 (per_width * cfg.hidden() as f64, 0.0)
             }
         };
-        let (attention_kept, attention_width, scale) = match (&cfg.latent, &cfg.linear_attention) {
-            // Linear attention keeps its projections, the convolution's input and output, the
-            // normalised queries and keys, the chunk's values and corrections and its square
-            // matrices (a chunk's entries a position per head), and attends over no sequence.
-            (_, Some(l)) if linear.is_some() => {
-                let qk = 2 * l.key_heads * l.key_dim;
-                let values = l.value_heads * l.value_dim;
-                let squares = 2 * CHUNK * l.value_heads;
-                let kept = 4 * d + 2 * (qk + 2 * values) + 3 * (qk + values) + 4 * values + squares;
-                (kept as f64, 0, None)
-            }
+        let (attention_kept, attention_width, scale) = match &cfg.latent {
+            // A recurrent mixer attends over no sequence.
+            _ if linear.is_some() => (Recurrent::kept_per_token(cfg), 0, None),
             // Latent attention keeps, beyond the residual stream's norms and sums, its
             // low-rank queries and their norm, the latent and its norm, the expanded keys and
             // values and the whole queries; its scores read the queries' width, its weighted
             // sum the values'.
-            (Some(l), _) => {
+            Some(l) => {
                 let low = 2 * l.q_rank.unwrap_or(0) + 2 * l.kv_rank + 2 * l.rope_dim;
                 let heads_kept = cfg.heads * (3 * l.query_dim() + l.nope_dim + 2 * l.value_dim);
                 (

@@ -301,13 +301,14 @@ fn greedy_generation_equals_transformers() {
 
 /// Prompts decoded together give each the tokens it gets alone, greedy, with and without
 /// the cache: with it, shorter prompts are padded on the left (in every attention kind:
-/// plain, windowed and soft-capped, with sinks, latent, linear), without it rows of one
+/// plain, windowed and soft-capped, with sinks, latent, linear, Mamba-2's with its
+/// convolution's bias), without it rows of one
 /// length share a batch; a row that meets a stop token ends there while the others go on.
 /// Sampled, each row draws from its own stream, the same alone or beside other prompts.
 #[test]
 fn batched_generation_equals_one_at_a_time() {
     let Some(py) = python() else { return };
-    for family in ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next", "ministral3"] {
+    for family in ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next", "ministral3", "granite4-dense"] {
         let work = tempfile::tempdir().unwrap();
         let dir = work.path().join(family);
         make(&py, family, &dir, None);
@@ -700,6 +701,21 @@ fn minimax_m2_matches_transformers() {
 #[test]
 fn granite_moe_matches_transformers() {
     experts_match_transformers("granite-moe", 4, 24);
+}
+
+/// Granite 4's H models: Mamba-2 mixers (their scan over two chunks of the rows) on three
+/// layers of four, attention turning no position on the other, every layer's 4 experts (top
+/// 2) beside its `shared_mlp`, Granite's multipliers.
+#[test]
+fn granite4_hybrid_matches_transformers() {
+    experts_match_transformers("granite4-hybrid", 4, 24);
+}
+
+/// Granite 4 without experts: the `shared_mlp` alone, rotated attention beside a Mamba-2
+/// layer with biases on its projections and its step bounded, a tied head.
+#[test]
+fn granite4_dense_matches_transformers() {
+    family_matches_transformers("granite4-dense", 24);
 }
 
 /// Phi-3.5 and Phi-4-mini's LongRoPE: short factors within the original context, long ones
@@ -1746,6 +1762,10 @@ fn left_out_keys_take_each_configuration_class_defaults() {
         if model_type == "gemma4_text" {
             sizes["hidden_size_per_layer_input"] = 0.into();
         }
+        // Granite 4's 128 Mamba-2 heads by default share twice the hidden size: more than 64.
+        if model_type == "granitemoehybrid" && heads == 4 {
+            sizes["mamba_n_heads"] = 4.into();
+        }
         let whole: serde_json::Value =
             serde_json::from_str(&reference(&py, &["full-config", "--keys", &sizes.to_string()])).unwrap();
         match (read(&sizes, "sizes.json"), read(&whole, "whole.json")) {
@@ -1768,8 +1788,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 44] = [
+const DECODER_TYPES: [&str; 45] = [
     "llama",
+    "granitemoehybrid",
     "qwen2_5_vl_text",
     "qwen3_vl_moe_text",
     "qwen3_vl_text",
