@@ -168,7 +168,9 @@ fn gemma4_experts_train_split_as_one_process() {
 /// choice bias) and GLM-4.7-Flash's (a dense layer after a sparse one) over an expert group,
 /// and MiniMax-M2 under tensor parallel and OLMo 2 under tensor and sequence parallel (query/key
 /// norms over whole projections, their squares summed over the tensor ranks), and a Qwen3-VL-MoE
-/// release's language model over an expert group, each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
+/// release's language model over an expert group, and Granite 4's hybrid (Mamba-2 mixers,
+/// experts beside its `shared_mlp`) over an expert group and sharded, each training as one
+/// process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
 /// whose step is the gradient itself.
 #[test]
 fn newer_families_train_split_as_one_process() {
@@ -188,12 +190,15 @@ fn newer_families_train_split_as_one_process() {
         ("olmo2", "sequence 2", TENSOR_AND_SEQUENCE),
         ("qwen3-vl-moe-release", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("glm4-moe-lite", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("granite4-hybrid", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("granite4-hybrid", "fsdp", r#"["fsdp"]"#),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);
         let files = ["--model-dir", s(&folder), "--token-file", s(&train)];
         let flags = ["--ctx", "16", "--batch-size", "4", "--threads", "1", "--optimizer", "sgd", "--lr", "0.05"];
-        let micro = if name.starts_with("experts") { "1" } else { "2" };
+        // Expert and data parallel ranks read rows of their own; tensor ranks share them.
+        let micro = if name.starts_with("experts") || name == "fsdp" { "1" } else { "2" };
         let one = common::train_run(dir.path(), "one", 4, &[&files, &flags, &["--accumulation", "2"]]);
         let extra = ["--nproc", "2", "--accumulation", micro, "--strategy", strategy];
         let run = common::train_run(dir.path(), name, 4, &[&files, &flags, &extra]);

@@ -4541,6 +4541,17 @@ mod tests {
         assert!(multi.contains("problem_type"), "{multi}");
     }
 
+    /// Python's words for numbers JSON has none for are quoted where they stand as values,
+    /// and left alone inside strings.
+    #[test]
+    fn python_s_infinities_read_as_strings() {
+        let text = r#"{"a": [0.0, Infinity], "b": "Infinity \" NaN", "c": -Infinity, "d": NaN}"#;
+        let v: Value = serde_json::from_str(&quote_python_numbers(text)).unwrap();
+        assert_eq!(v, json!({"a": [0.0, "Infinity"], "b": "Infinity \" NaN", "c": "-Infinity", "d": "NaN"}));
+        let plain = r#"{"a": 1}"#;
+        assert!(matches!(quote_python_numbers(plain), std::borrow::Cow::Borrowed(_)));
+    }
+
     #[test]
     fn a_decoder_is_written_as_the_family_its_options_name() {
         let families = [
@@ -4580,6 +4591,12 @@ mod tests {
                 Family::Ministral3,
                 json!({"rope_parameters": {"llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 16}}),
             ),
+            (
+                Family::GraniteMoeHybrid,
+                json!({"num_local_experts": 0, "mamba_n_heads": 4, "position_embedding_type": "rope",
+                       "layer_types": ["mamba", "attention", "mamba"]}),
+            ),
+            (Family::GraniteMoeHybrid, json!({"num_local_experts": 4, "num_experts_per_tok": 2, "mamba_n_heads": 4})),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();

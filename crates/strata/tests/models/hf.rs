@@ -88,13 +88,25 @@ fn sharded_qwen2_with_attention_biases_equals_transformers() {
 /// The parameters Strata leaves out of weight decay when asked (`decay_norms_and_biases`
 /// off) are those `transformers`' `Trainer` leaves out, family by family: LayerNorms named
 /// anything (GPT-2's `ln_*`), RMSNorms, biases (T5's relative attention bias, Qwen3-Next's
-/// `dt_bias`, DeepSeek's choice bias), but not gpt-oss's sinks or Qwen3-Next's `A_log`.
+/// `dt_bias`, DeepSeek's choice bias, Granite 4's Mamba-2 gated norm), but not gpt-oss's
+/// sinks, Qwen3-Next's `A_log` or Mamba-2's `D`.
 #[test]
 fn the_parameters_left_out_of_weight_decay_are_those_the_trainer_leaves_out() {
     let Some(py) = python() else { return };
     let work = tempfile::tempdir().unwrap();
-    let families =
-        ["gpt2", "llama", "qwen3", "gemma2", "olmoe", "deepseek-v3", "gpt-oss", "qwen3-next", "t5", "bert-mlm"];
+    let families = [
+        "gpt2",
+        "llama",
+        "qwen3",
+        "gemma2",
+        "olmoe",
+        "deepseek-v3",
+        "gpt-oss",
+        "qwen3-next",
+        "granite4-hybrid",
+        "t5",
+        "bert-mlm",
+    ];
     for family in families {
         let dir = work.path().join(family);
         make(&py, family, &dir, None);
