@@ -461,6 +461,13 @@ def decoder_families():
             embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
             tie_word_embeddings=False, router_aux_loss_coef=0.02,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # LFM2: gated short convolutions (three positions wide, with biases) on three layers of
+        # four, attention with per-head query/key norms on the other; the feed-forward's width
+        # adjusted by its class (two thirds of 60, rounded up to a multiple of 16: 48).
+        "lfm2": lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(
+            **dict(common, intermediate_size=60), num_hidden_layers=4, block_multiple_of=16, conv_bias=True,
+            layer_types=["conv", "full_attention", "conv", "conv"], tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Granite 4 (its H models): Granite's multipliers, Mamba-2 mixers (four heads in two
         # groups, chunks of 8 positions, so that the test rows span two) on three layers of
         # four and attention turning no position on the other; four experts, two per token,
@@ -607,11 +614,12 @@ def build(family, seed):
             for name, p in model.named_parameters():
                 if name.endswith("linear_attn.A_log"):
                     p.copy_(torch.empty_like(p).uniform_(0.5, 2.0).log())
-                # A Mamba-2 convolution's bias is what a padded position would write into the
-                # state: drawn large, and the state kept long, so that writing it shows.
+                # A Mamba-2 convolution's bias (and LFM2's projection's, before its convolution)
+                # is what a padded position would write into the state: drawn large, and
+                # Mamba-2's state kept long, so that writing it shows.
                 if name.endswith("mamba.A_log"):
                     p.copy_(torch.empty_like(p).uniform_(0.05, 0.3).log())
-                if name.endswith("mamba.conv1d.bias"):
+                if name.endswith(("mamba.conv1d.bias", "conv.in_proj.bias")):
                     p.normal_(0.0, 2.0)
             # The choice bias is a buffer: draw it so that it changes which experts are chosen.
             # Gemma 4's block scalars are buffers too, stored and never trained; ERNIE 4.5 keeps

@@ -21,6 +21,7 @@ use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, Mult
 use super::mamba::StateSpaceConfig;
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
+use super::short_conv::ShortConvConfig;
 use super::{
     BertConfig, BertHead, DropoutRates, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config,
 };
@@ -120,6 +121,9 @@ pub enum Family {
     /// Granite-MoE (`granitemoe`): Granite's decoder with experts on every layer, stacked in
     /// its files under their own names.
     GraniteMoe,
+    /// LFM2 (`lfm2`): gated short convolutions on the layers `layer_types` marks `conv`,
+    /// attention with per-head query/key norms on the others, under its own names.
+    Lfm2,
     /// Granite 4 (`granitemoehybrid`): Granite's multipliers, Mamba-2 mixers on the layers
     /// `layer_types` marks (the others attention, turning positions or none), and on every
     /// layer its `shared_mlp`, beside Granite-MoE's experts where it has experts.
@@ -202,6 +206,20 @@ const GRANITE_MOE_STACKS: [(&str, &str); 2] = [
     ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
 ];
 
+/// LFM2's names of Strata's parameters (its final norm `embedding_norm`).
+const LFM2_NAMES: [(&str, &str); 9] = [
+    ("input_layernorm.weight", "operator_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("self_attn.o_proj.weight", "self_attn.out_proj.weight"),
+    ("self_attn.q_norm.weight", "self_attn.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attn.k_layernorm.weight"),
+    ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
+    ("mlp.up_proj.weight", "feed_forward.w3.weight"),
+    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
+    // The one `norm.weight` left after the ones above: the final norm's.
+    ("norm.weight", "embedding_norm.weight"),
+];
+
 const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"),
     ("pre_feedforward_layernorm.weight", "post_attention_layernorm.weight"),
@@ -260,7 +278,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 48] = [
+const FAMILIES: [Family; 49] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -290,6 +308,7 @@ const FAMILIES: [Family; 48] = [
     Family::Granite,
     Family::GraniteMoe,
     Family::GraniteMoeHybrid,
+    Family::Lfm2,
     Family::Llama4,
     Family::Mixtral,
     Family::MiniMaxM2,
@@ -344,6 +363,7 @@ impl Family {
             Family::Granite => "granite",
             Family::GraniteMoe => "granitemoe",
             Family::GraniteMoeHybrid => "granitemoehybrid",
+            Family::Lfm2 => "lfm2",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
             Family::MiniMaxM2 => "minimax_m2",
@@ -409,6 +429,7 @@ impl Family {
             Family::Granite => "Granite",
             Family::GraniteMoe => "GraniteMoe",
             Family::GraniteMoeHybrid => "GraniteMoeHybrid",
+            Family::Lfm2 => "Lfm2",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
             Family::MiniMaxM2 => "MiniMaxM2",
@@ -451,6 +472,7 @@ impl Family {
                 | Family::Granite
                 | Family::GraniteMoe
                 | Family::GraniteMoeHybrid
+                | Family::Lfm2
                 | Family::Apertus
                 | Family::Llama4
                 | Family::Cohere
@@ -482,7 +504,7 @@ impl Family {
                 }
                 Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
-                Qwen3Vl | Qwen3VlMoe => 128_000,
+                Qwen3Vl | Qwen3VlMoe | Lfm2 => 128_000,
                 MiniMaxM2 => 196_608,
                 Glm4MoeLite => 202_752,
                 Apertus => 65_536,
@@ -496,11 +518,11 @@ impl Family {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl => 1e-5,
+                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
-                Mixtral | Qwen2_5Vl => 1e6,
+                Mixtral | Qwen2_5Vl | Lfm2 => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
                 Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl | Qwen3VlMoe => 500_000.0,
@@ -524,7 +546,9 @@ impl Family {
             kv_heads: match self {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
-                MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl => Some(8),
+                MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2 => {
+                    Some(8)
+                }
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
                 _ => None,
@@ -545,7 +569,7 @@ impl Family {
         match self {
             Family::Cohere | Family::Cohere2 => "layer_norm_eps",
             Family::Starcoder2 => "norm_epsilon",
-            Family::Nemotron => "norm_eps",
+            Family::Nemotron | Family::Lfm2 => "norm_eps",
             _ => "rms_norm_eps",
         }
     }
@@ -561,6 +585,7 @@ impl Family {
                 | Family::Exaone4
                 | Family::HunYuanDense
                 | Family::Apertus
+                | Family::Lfm2
         )
     }
 
@@ -709,6 +734,7 @@ impl Family {
             });
         }
         Ok(match c {
+            c if c.short_conv.is_some() => Family::Lfm2,
             c if c.linear_attention.is_some() => Family::Qwen3_5,
             c if c.norm == NormKind::LayerPlusOne => Family::Nemotron,
             c if c.fc_names || c.norm_bias => Family::Starcoder2,
@@ -916,6 +942,7 @@ impl Family {
                     && c.unrotated_layers.len() as i64 != c.layers,
                 "layers that turn no position beside layers that do",
             ),
+            (c.short_conv.is_some() != (self == Family::Lfm2), "LFM2's short convolutions"),
             (
                 (c.shared_mlp || c.state_space.is_some()) != (self == Family::GraniteMoeHybrid)
                     || self == Family::GraniteMoeHybrid && !c.shared_mlp,
@@ -1208,6 +1235,7 @@ impl Family {
             Family::HunYuanDense | Family::HunYuanMoe => &[&HUNYUAN_NORMS],
             Family::Apertus => &[&APERTUS_NORMS],
             Family::GraniteMoe | Family::GraniteMoeHybrid => &[&GRANITE_MOE_STACKS],
+            Family::Lfm2 => &[&LFM2_NAMES],
             _ => &[],
         };
         lists.iter().flat_map(|list| list.iter().copied())
@@ -1644,6 +1672,15 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["linear_key_head_dim"] = json!(l.key_dim);
         v["linear_value_head_dim"] = json!(l.value_dim);
         v["linear_conv_kernel_dim"] = json!(l.conv_kernel);
+    }
+    if let Some(conv) = &c.short_conv {
+        let types: Vec<&str> =
+            (0..c.layers as usize).map(|i| if c.is_linear(i) { "conv" } else { "full_attention" }).collect();
+        v["layer_types"] = json!(types);
+        v["conv_L_cache"] = json!(conv.kernel);
+        v["conv_bias"] = json!(conv.bias);
+        // The width as it is, not adjusted by the class.
+        v["block_auto_adjust_ff_dim"] = json!(false);
     }
     if family == Family::GraniteMoeHybrid {
         // The names Granite 4's releases use, which every version of its class reads.
@@ -2665,6 +2702,7 @@ impl Keys<'_> {
         let minimax = family == Family::MiniMaxM2;
         let cohere = family.is_cohere();
         let granite4 = family == Family::GraniteMoeHybrid;
+        let lfm2 = family == Family::Lfm2;
         if family == Family::Cohere {
             self.only("use_qk_norm", &[json!(false)], "Command R+'s per-head query/key layer norms are not read")?;
         }
@@ -2701,6 +2739,7 @@ impl Keys<'_> {
             | Family::Cohere2 => Some(0),
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
+            Family::Lfm2 => Some(0),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
             Family::SmolLm3 => Some(128_004),
@@ -2878,6 +2917,7 @@ impl Keys<'_> {
         let (sliding_window, layer_types) = match (&llama4_attention, next) {
             (_, true) => (None, Some(self.linear_layers(layers)?)),
             _ if granite4 => (None, Some(self.granite4_layers(layers)?)),
+            _ if lfm2 => (None, Some(self.lfm2_layers(layers)?)),
             (Some(l), _) => (None, Some(l.layer_types.clone())),
             _ => self.windows(class, layers, &unrotated_layers)?,
         };
@@ -2898,6 +2938,7 @@ impl Keys<'_> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
         };
         let gemma2 = family == Family::Gemma2;
+        let recurrent_layers = layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Linear));
         let full_layer_heads = match gemma4 {
             true => self.gemma4_full_heads(layers, head_dim.unwrap_or(256), layer_types.as_deref())?,
             false => None,
@@ -2906,6 +2947,7 @@ impl Keys<'_> {
             ffn_dim: Some(match (self.int("intermediate_size")?, &moe) {
                 // Granite 4's dense network is its shared_mlp (its experts intermediate_size wide).
                 _ if granite4 => self.int("shared_intermediate_size")?.unwrap_or(1024),
+                _ if lfm2 => self.lfm2_width()?,
                 (Some(d), _) => d,
                 // Qwen3.5's experts route every layer, so no dense feed-forward has a width.
                 (None, Some(m)) if qwen3_5_moe => m.expert_ffn_dim,
@@ -2926,7 +2968,8 @@ impl Keys<'_> {
             norm_eps: self.float(family.norm_eps_key())?.unwrap_or(defaults.norm_eps),
             tie_embeddings: self
                 .flag("tie_word_embeddings")?
-                .unwrap_or(gemma || smollm3 || ernie || cohere || starcoder2 || class == Family::Qwen3VlMoe),
+                .or(if lfm2 { self.flag("tie_embedding")? } else { None })
+                .unwrap_or(gemma || smollm3 || ernie || cohere || starcoder2 || lfm2 || class == Family::Qwen3VlMoe),
             qkv_bias: (qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
@@ -2985,8 +3028,17 @@ impl Keys<'_> {
             attention_sinks: gpt_oss,
             attention_output_gate: next,
             linear_attention: if next { Some(self.linear_attention(split_projections)?) } else { None },
-            state_space: if granite4 { Some(self.state_space(dim)?) } else { None },
+            // Granite 4's and LFM2's mixers where some layer has one (Granite 4 Micro's attend
+            // on every layer).
+            state_space: if granite4 && recurrent_layers { Some(self.state_space(dim)?) } else { None },
             shared_mlp: granite4,
+            short_conv: match lfm2 && recurrent_layers {
+                true => Some(ShortConvConfig {
+                    kernel: self.int("conv_L_cache")?.unwrap_or(3),
+                    bias: self.flag("conv_bias")?.unwrap_or(false),
+                }),
+                false => None,
+            },
             latent,
             // The decoder families' own default is no dropout (Seed-OSS's 0.1).
             dropout: DropoutRates {
@@ -3099,6 +3151,57 @@ impl Keys<'_> {
             time_step_min,
             time_step_max,
         })
+    }
+
+    /// LFM2's layer kinds: `conv` or `full_attention` each, as `layer_types` lists them,
+    /// else the layers `full_attn_idxs` names attending and the others convolving (every
+    /// layer attending where neither is given, as its class has it).
+    fn lfm2_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
+        if let Some(types) = self.get("layer_types") {
+            let types = types.as_array().ok_or_else(|| format!("config.json: layer_types is not a list ({types})"))?;
+            let read = |t: &Value| match t.as_str() {
+                Some("conv") => Ok(LayerAttention::Linear),
+                Some("full_attention") => Ok(LayerAttention::Full),
+                _ => Err(format!("config.json: layer_types holds {t}, not \"conv\" or \"full_attention\"")),
+            };
+            let types = types.iter().map(read).collect::<KeyResult<Vec<_>>>()?;
+            if types.len() as i64 != layers {
+                return Err(format!("config.json: layer_types names {} layers of {layers}", types.len()));
+            }
+            return Ok(types);
+        }
+        let attending = match self.get("full_attn_idxs") {
+            Some(Value::Array(indices)) => indices
+                .iter()
+                .map(|i| i.as_i64().ok_or_else(|| format!("config.json: full_attn_idxs holds {i}, not a layer")))
+                .collect::<KeyResult<Vec<i64>>>()?,
+            Some(other) => return Err(format!("config.json: full_attn_idxs is not a list ({other})")),
+            None => (0..layers).collect(),
+        };
+        Ok((0..layers)
+            .map(|i| if attending.contains(&i) { LayerAttention::Full } else { LayerAttention::Linear })
+            .collect())
+    }
+
+    /// LFM2's feed-forward width: `intermediate_size` (or `block_ff_dim`), which its class
+    /// adjusts where `block_auto_adjust_ff_dim` is on (the default): two thirds of it, times
+    /// `block_ffn_dim_multiplier`, rounded up to a multiple of `block_multiple_of`.
+    fn lfm2_width(&self) -> KeyResult<i64> {
+        let given = match self.int("intermediate_size")? {
+            Some(width) => width,
+            None => self.int("block_ff_dim")?.unwrap_or(12288),
+        };
+        if !self.flag("block_auto_adjust_ff_dim")?.unwrap_or(true) {
+            return Ok(given);
+        }
+        let two_thirds = (2.0 * given as f64 / 3.0) as i64;
+        // The class leaves the width at two thirds where the multiplier is null.
+        if self.cfg.get("block_ffn_dim_multiplier").is_some_and(Value::is_null) {
+            return Ok(two_thirds);
+        }
+        let scaled = (self.float("block_ffn_dim_multiplier")?.unwrap_or(1.0) * two_thirds as f64) as i64;
+        let multiple = self.int("block_multiple_of")?.unwrap_or(256).max(1);
+        Ok(multiple * ((scaled + multiple - 1) / multiple))
     }
 
     /// Granite 4's layer kinds (`layer_types`, which older folders name `layers_block_type`):
@@ -4597,6 +4700,13 @@ mod tests {
                        "layer_types": ["mamba", "attention", "mamba"]}),
             ),
             (Family::GraniteMoeHybrid, json!({"num_local_experts": 4, "num_experts_per_tok": 2, "mamba_n_heads": 4})),
+            // Granite 4 Micro attends on every layer.
+            (
+                Family::GraniteMoeHybrid,
+                json!({"num_local_experts": 0, "position_embedding_type": "rope",
+                       "layer_types": ["attention", "attention", "attention"]}),
+            ),
+            (Family::Lfm2, json!({"layer_types": ["conv", "full_attention", "conv"]})),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();

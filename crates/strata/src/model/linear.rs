@@ -78,13 +78,14 @@ impl LinearAttentionConfig {
     }
 }
 
-/// A decoding cache's state of a linear attention layer: the convolution's last
-/// `kernel - 1` inputs `[B, C, K - 1]` and the recurrent state `[B, Hv, Dk, Dv]` (fp32).
+/// A decoding cache's state of a recurrent mixer: the convolution's last `kernel - 1`
+/// inputs `[B, C, K - 1]` and the recurrent state (fp32: a Gated DeltaNet's
+/// `[B, Hv, Dk, Dv]`, a Mamba-2 mixer's `[B, H, P, N]`; none for a short convolution alone).
 pub struct RecurrentState {
     /// The convolution's last inputs.
     pub conv: Tensor,
-    /// The delta rule's state.
-    pub state: Tensor,
+    /// The recurrence's state, where the mixer has one.
+    pub state: Option<Tensor>,
 }
 
 /// A Gated DeltaNet's input projections, in one of [`LinearAttentionConfig`]'s layouts.
@@ -175,7 +176,7 @@ impl GatedDeltaNet {
             }
         };
         let recurrent = cache.as_ref().and_then(|c| c.recurrent());
-        let state = recurrent.map(|r| r.state.shallow_clone());
+        let state = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
         let (convolved, kept) = causal_conv(&mixed, &p[self.conv], None, recurrent.map(|r| &r.conv))?;
         let convolved = convolved.f_silu()?;
         let key_width = c.key_heads * c.key_dim;
@@ -193,7 +194,7 @@ impl GatedDeltaNet {
         let (out, state) = chunked_delta_rule(&q, &k, &v, &decay, &beta, state.as_ref(), ratio)?;
         if let Some(cache) = cache {
             cache.advance(t);
-            cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: state.f_detach()? });
+            cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: Some(state.f_detach()?) });
         }
         // RMS norm per value head, then gated by silu(z) in fp32.
         let z = z.f_reshape([b, t, c.value_heads, c.value_dim])?;

@@ -37,6 +37,7 @@ use super::linear::{GatedDeltaNet, LinearAttentionConfig};
 use super::mamba::{Mamba2, StateSpaceConfig};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{pairs_as_halves, Placed, QueryScaling, Rope, RopeScaling, Rotation};
+use super::short_conv::{ShortConv, ShortConvConfig};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TokenEmbedding,
     TpRole, Unit, UnitBuilder, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
@@ -307,6 +308,10 @@ pub struct LlamaConfig {
     /// 4's `mamba` layers), in place of [`LlamaConfig::linear_attention`].
     #[serde(default)]
     pub state_space: Option<StateSpaceConfig>,
+    /// The short convolution of the layers `layer_types` marks `linear` (LFM2's `conv`
+    /// layers), in place of [`LlamaConfig::linear_attention`].
+    #[serde(default)]
+    pub short_conv: Option<ShortConvConfig>,
     /// Granite 4's feed-forward: one gated network named `shared_mlp` (`input_linear`, the
     /// gate's rows before the up's, and `output_linear`), `ffn_dim` wide, the only one of a
     /// dense model and summed with the experts' output beside experts, without norms.
@@ -406,6 +411,7 @@ impl LlamaConfig {
             attention_sinks: false,
             linear_attention: None,
             state_space: None,
+            short_conv: None,
             shared_mlp: false,
             attention_output_gate: false,
             latent: None,
@@ -450,11 +456,19 @@ impl LlamaConfig {
         }
     }
 
-    /// Whether layer `layer` runs linear attention (or a state space mixer) in place of
-    /// softmax attention.
+    /// Whether layer `layer` runs a recurrent mixer (linear attention, a state space or a
+    /// short convolution) in place of softmax attention.
     pub fn is_linear(&self, layer: usize) -> bool {
-        (self.linear_attention.is_some() || self.state_space.is_some())
+        self.recurrent_mixers() > 0
             && self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Linear))
+    }
+
+    /// How many kinds of recurrent mixer the configuration sizes (one at most is valid).
+    fn recurrent_mixers(&self) -> usize {
+        [self.linear_attention.is_some(), self.state_space.is_some(), self.short_conv.is_some()]
+            .into_iter()
+            .filter(|&given| given)
+            .count()
     }
 
     /// Layer `layer`'s sliding window, if it has one.
@@ -647,12 +661,14 @@ impl LlamaConfig {
         if let Some(state_space) = &self.state_space {
             state_space.validate()?;
         }
+        if let Some(short_conv) = &self.short_conv {
+            short_conv.validate()?;
+        }
         let linear_layers = self.layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Linear));
-        let mixers = usize::from(self.linear_attention.is_some()) + usize::from(self.state_space.is_some());
-        if usize::from(linear_layers) != mixers {
+        if usize::from(linear_layers) != self.recurrent_mixers() {
             return Err(Error::Config(
-                "linear attention needs one kind's sizes (a Gated DeltaNet's or a Mamba-2 mixer's) and the layers \
-                 layer_types marks linear_attention"
+                "linear attention needs one kind's sizes (a Gated DeltaNet's, a Mamba-2 mixer's or a short \
+                 convolution's) and the layers layer_types marks linear_attention"
                     .into(),
             ));
         }
@@ -951,31 +967,34 @@ enum Mixer {
     Linear(Recurrent),
 }
 
-/// A block's recurrent mixer, whose state runs along the row: Qwen3-Next's Gated DeltaNet
-/// or Granite 4's Mamba-2.
+/// A block's recurrent mixer, whose state runs along the row: Qwen3-Next's Gated DeltaNet,
+/// Granite 4's Mamba-2 or LFM2's short convolution.
 enum Recurrent {
     DeltaNet(GatedDeltaNet),
     StateSpace(Mamba2),
+    ShortConv(ShortConv),
 }
 
 impl Recurrent {
     /// Declares layer `name`'s recurrent mixer, where `cfg` gives it one.
     fn declare(u: &mut UnitBuilder<'_>, name: &str, cfg: &LlamaConfig) -> Option<Recurrent> {
         let d = cfg.dim;
-        match (&cfg.linear_attention, &cfg.state_space) {
-            (Some(l), _) => Some(Recurrent::DeltaNet(GatedDeltaNet::declare(u, name, l, d, cfg.norm_eps))),
-            (_, Some(s)) => Some(Recurrent::StateSpace(Mamba2::declare(u, name, s, d, cfg.norm_eps))),
-            (None, None) => None,
+        match (&cfg.linear_attention, &cfg.state_space, &cfg.short_conv) {
+            (Some(l), ..) => Some(Recurrent::DeltaNet(GatedDeltaNet::declare(u, name, l, d, cfg.norm_eps))),
+            (_, Some(s), _) => Some(Recurrent::StateSpace(Mamba2::declare(u, name, s, d, cfg.norm_eps))),
+            (.., Some(c)) => Some(Recurrent::ShortConv(ShortConv::declare(u, name, c, d))),
+            (None, None, None) => None,
         }
     }
 
     /// Values a token keeps for the backward, beyond the block's residual stream.
     fn kept_per_token(cfg: &LlamaConfig) -> f64 {
         let d = cfg.dim;
-        match (&cfg.linear_attention, &cfg.state_space) {
-            (Some(l), _) => l.kept_per_token(d) as f64,
-            (_, Some(s)) => s.kept_per_token(d) as f64,
-            (None, None) => 0.0,
+        match (&cfg.linear_attention, &cfg.state_space, &cfg.short_conv) {
+            (Some(l), ..) => l.kept_per_token(d) as f64,
+            (_, Some(s), _) => s.kept_per_token(d) as f64,
+            (.., Some(c)) => c.kept_per_token(d) as f64,
+            (None, None, None) => 0.0,
         }
     }
 
@@ -990,6 +1009,7 @@ impl Recurrent {
         match self {
             Recurrent::DeltaNet(net) => net.forward(p, h, cache),
             Recurrent::StateSpace(mamba) => mamba.forward(p, h, cache, keep),
+            Recurrent::ShortConv(conv) => conv.forward(p, h, cache, keep),
         }
     }
 }

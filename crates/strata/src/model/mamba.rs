@@ -157,7 +157,7 @@ impl Mamba2 {
         let parts = projected.f_split_with_sizes([c.inner(), c.conv_channels(), c.heads], -1)?;
         let [z, mixed, dt] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("in_proj split".into()))?;
         let recurrent = cache.as_ref().and_then(|c| c.recurrent());
-        let initial = recurrent.map(|r| r.state.shallow_clone());
+        let initial = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
         let conv_bias = self.conv.1.map(|b| &p[b]);
         let (convolved, kept) = causal_conv(&mixed, &p[self.conv.0], conv_bias, recurrent.map(|r| &r.conv))?;
         let mut convolved = convolved.f_silu()?;
@@ -181,7 +181,7 @@ impl Mamba2 {
         let (y, state) = scan.chunked(c.chunk, initial.as_ref())?;
         if let Some(cache) = cache {
             cache.advance(t);
-            cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: state.f_detach()? });
+            cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: Some(state.f_detach()?) });
         }
         // The skip, then the gate, then an RMS norm over each group of heads, all in fp32.
         let skip = p[self.skip].f_to_kind(Kind::Float)?.f_unsqueeze(-1)?;

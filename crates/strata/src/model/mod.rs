@@ -21,6 +21,7 @@ mod mlp;
 pub mod moe;
 pub mod presets;
 pub mod rope;
+pub mod short_conv;
 mod t5;
 pub mod tensor;
 
@@ -40,6 +41,7 @@ pub use mlp::{mlp, MlpConfig};
 pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
 pub use presets::{preset, preset_names};
 pub use rope::{QueryScaling, Rope, RopeScaling, Rotation};
+pub use short_conv::ShortConvConfig;
 pub use t5::{t5, FeedForwardActivation, T5Config};
 pub use tensor::{TensorParallel, TpRole, WholeSequence};
 

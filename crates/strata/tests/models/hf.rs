@@ -314,13 +314,15 @@ fn greedy_generation_equals_transformers() {
 /// Prompts decoded together give each the tokens it gets alone, greedy, with and without
 /// the cache: with it, shorter prompts are padded on the left (in every attention kind:
 /// plain, windowed and soft-capped, with sinks, latent, linear, Mamba-2's with its
-/// convolution's bias), without it rows of one
+/// convolution's bias, LFM2's short convolution with its projection's bias), without it rows of one
 /// length share a batch; a row that meets a stop token ends there while the others go on.
 /// Sampled, each row draws from its own stream, the same alone or beside other prompts.
 #[test]
 fn batched_generation_equals_one_at_a_time() {
     let Some(py) = python() else { return };
-    for family in ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next", "ministral3", "granite4-dense"] {
+    let families =
+        ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next", "ministral3", "granite4-dense", "lfm2"];
+    for family in families {
         let work = tempfile::tempdir().unwrap();
         let dir = work.path().join(family);
         make(&py, family, &dir, None);
@@ -713,6 +715,14 @@ fn minimax_m2_matches_transformers() {
 #[test]
 fn granite_moe_matches_transformers() {
     experts_match_transformers("granite-moe", 4, 24);
+}
+
+/// LFM2: gated short convolutions with biases on three layers of four, attention with
+/// per-head query/key norms on the other, under its own names, its feed-forward's width as
+/// its class adjusts it.
+#[test]
+fn lfm2_matches_transformers() {
+    family_matches_transformers("lfm2", 24);
 }
 
 /// Granite 4's H models: Mamba-2 mixers (their scan over two chunks of the rows) on three
@@ -1800,8 +1810,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 45] = [
+const DECODER_TYPES: [&str; 46] = [
     "llama",
+    "lfm2",
     "granitemoehybrid",
     "qwen2_5_vl_text",
     "qwen3_vl_moe_text",
