@@ -157,6 +157,11 @@ pub enum Family {
     /// DeepSeek-V3 (`deepseek_v3`): latent attention, sigmoid routing with a choice bias
     /// among groups of experts, shared experts, the first layers dense.
     DeepseekV3,
+    /// DeepSeek-V2 (`deepseek_v2`, V2-Lite and V2.5's shapes): DeepSeek-V3's latent
+    /// attention, each head's rotated part turned as adjacent pairs; experts chosen greedily
+    /// by their softmax scores and weighted by them unrenormalised, times the routed scale,
+    /// beside shared experts, the first layers dense.
+    DeepseekV2,
     /// GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's latent attention and routing (one
     /// group by default), its dense layers named by `mlp_layer_types`.
     Glm4MoeLite,
@@ -278,7 +283,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 49] = [
+const FAMILIES: [Family; 50] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -319,6 +324,7 @@ const FAMILIES: [Family; 49] = [
     Family::Olmo2,
     Family::Olmo3,
     Family::DeepseekV3,
+    Family::DeepseekV2,
     Family::Glm4MoeLite,
     Family::Mistral4,
     Family::Glm4Moe,
@@ -376,6 +382,7 @@ impl Family {
             Family::DeepseekV3 => "deepseek_v3",
             Family::Glm4MoeLite => "glm4_moe_lite",
             Family::Mistral4 => "mistral4",
+            Family::DeepseekV2 => "deepseek_v2",
             Family::Glm4Moe => "glm4_moe",
             Family::GptOss => "gpt_oss",
             Family::Qwen3Next => "qwen3_next",
@@ -442,6 +449,7 @@ impl Family {
             Family::DeepseekV3 => "DeepseekV3",
             Family::Glm4MoeLite => "Glm4MoeLite",
             Family::Mistral4 => "Mistral4",
+            Family::DeepseekV2 => "DeepseekV2",
             Family::Glm4Moe => "Glm4Moe",
             Family::GptOss => "GptOss",
             Family::Qwen3Next => "Qwen3Next",
@@ -615,6 +623,7 @@ impl Family {
             Family::Olmoe
             | Family::MiniMaxM2
             | Family::DeepseekV3
+            | Family::DeepseekV2
             | Family::Glm4MoeLite
             | Family::Mistral4
             | Family::Glm4Moe
@@ -651,12 +660,15 @@ impl Family {
     /// Whether the family routes as DeepSeek-V3 does (sigmoid scores, a choice bias,
     /// groups, a routed scale, shared experts without a gate, the first layers dense).
     fn routes_like_deepseek(self) -> bool {
-        matches!(self, Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe)
+        matches!(
+            self,
+            Family::DeepseekV3 | Family::DeepseekV2 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe
+        )
     }
 
     /// Whether the family attends through DeepSeek's latent attention.
     fn has_latent_attention(self) -> bool {
-        matches!(self, Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4)
+        matches!(self, Family::DeepseekV3 | Family::DeepseekV2 | Family::Glm4MoeLite | Family::Mistral4)
     }
 
     fn has_experts(self) -> bool {
@@ -717,6 +729,8 @@ impl Family {
                 _ if moe.names == ExpertNames::FeedForward => Family::Llama4,
                 _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
+                // Softmax scores without a choice bias, without Mistral 4's query scaling.
+                c if c.latent.is_some() && moe.scoring == Scoring::Softmax => Family::DeepseekV2,
                 // Dense layers other than the first ones: GLM-4.7-Flash names each layer's kind.
                 c if c.latent.is_some() && !dense_layers_lead(moe) => Family::Glm4MoeLite,
                 c if c.latent.is_some() => Family::DeepseekV3,
@@ -991,6 +1005,10 @@ impl Family {
                 "heads turned as adjacent pairs",
             ),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
+            (
+                self == Family::DeepseekV2 && c.latent.as_ref().is_some_and(|l| !l.interleaved),
+                "DeepSeek-V2's rotation of adjacent pairs",
+            ),
             // Mistral 4's routing is pinned by the scoring rule below, shared experts or not;
             // ERNIE 4.5's, HunYuan's and Llama 4's by their own rules above.
             (
@@ -998,6 +1016,7 @@ impl Family {
                     && !matches!(
                         self,
                         Family::Mistral4
+                            | Family::DeepseekV2
                             | Family::Ernie4_5Moe
                             | Family::HunYuanMoe
                             | Family::Llama4
@@ -1031,11 +1050,16 @@ impl Family {
                 moe.is_some_and(|m| {
                     let scored = match self {
                         Family::Mistral4 => m.scoring == Scoring::Softmax && !m.choice_bias,
+                        // DeepSeek-V2's greedy choice, its weights never renormalised.
+                        Family::DeepseekV2 => {
+                            m.scoring == Scoring::Softmax && !m.choice_bias && !m.norm_topk && m.groups == 1
+                        }
                         _ => m.scoring == Scoring::Sigmoid && m.choice_bias,
                     };
                     self.routes_like_deepseek() && !scored
                 }),
-                "DeepSeek's sigmoid scores with a choice bias, or Mistral 4's softmax ones without",
+                "DeepSeek-V3's sigmoid scores with a choice bias, or Mistral 4's softmax ones without, or \
+                 DeepSeek-V2's chosen greedily and not renormalised",
             ),
             (
                 moe.is_some_and(|m| self.routes_like_deepseek() && m.shared_expert_dim.is_some() && m.shared_gate),
@@ -1053,7 +1077,12 @@ impl Family {
             (
                 matches!(
                     self,
-                    Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4 | Family::GptOss | Family::Nemotron
+                    Family::DeepseekV3
+                        | Family::DeepseekV2
+                        | Family::Glm4MoeLite
+                        | Family::Mistral4
+                        | Family::GptOss
+                        | Family::Nemotron
                 ) && c.qkv_bias != c.o_bias,
                 "a bias on some attention projections alone",
             ),
@@ -1786,7 +1815,7 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
     }
     match family {
-        Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe => {
+        Family::DeepseekV3 | Family::DeepseekV2 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe => {
             v["n_routed_experts"] = json!(moe.experts);
             v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
             v["n_shared_experts"] = json!(moe.shared_expert_dim.map_or(0, |w| w / moe.expert_ffn_dim));
@@ -3309,7 +3338,8 @@ impl Keys<'_> {
             nope_dim: self.int("qk_nope_head_dim")?.unwrap_or(nope_dim),
             rope_dim: self.int("qk_rope_head_dim")?.unwrap_or(64),
             value_dim: self.int("v_head_dim")?.unwrap_or(value_dim),
-            interleaved: self.flag("rope_interleave")?.unwrap_or(true),
+            // DeepSeek-V2's class always turns adjacent pairs.
+            interleaved: family == Family::DeepseekV2 || self.flag("rope_interleave")?.unwrap_or(true),
             mscale_all_dim,
         })
     }
@@ -3549,8 +3579,17 @@ impl Keys<'_> {
     /// routed scale, plain shared experts, the first layers dense (with `transformers`'
     /// defaults for each family where a key is absent).
     fn deepseek_experts(&self, family: Family) -> KeyResult<MoeConfig> {
-        let mistral4 = family == Family::Mistral4;
-        if !mistral4 {
+        let (mistral4, v2) = (family == Family::Mistral4, family == Family::DeepseekV2);
+        // Mistral 4's and DeepSeek-V2's routers score by softmax and choose by those scores.
+        let softmax = mistral4 || v2;
+        if v2 {
+            self.only("scoring_func", &[json!("softmax")], "DeepSeek-V2's router scores by softmax")?;
+            self.only(
+                "topk_method",
+                &[json!("greedy")],
+                "DeepSeek-V2's experts are chosen greedily; its group-limited choice is not supported",
+            )?;
+        } else if !mistral4 {
             self.only("scoring_func", &[json!("sigmoid")], "the router scores by sigmoid")?;
             self.only("topk_method", &[json!("noaux_tc")], "experts are chosen by their biased scores within groups")?;
         }
@@ -3561,24 +3600,26 @@ impl Keys<'_> {
             Family::DeepseekV3 => (256, 8, 2048, 3, 8, 4, 2.5),
             Family::Glm4MoeLite => (64, 4, 1536, 1, 1, 1, 1.8),
             Family::Mistral4 => (128, 4, 2048, 0, 1, 1, 1.0),
+            Family::DeepseekV2 => (64, 6, 1407, 0, 1, 1, 1.0),
             _ => (128, 8, 1408, 1, 1, 1, 1.0),
         };
         let width = self.int("moe_intermediate_size")?.unwrap_or(width);
-        let shared = self.int("n_shared_experts")?.unwrap_or(1);
+        let shared = self.int("n_shared_experts")?.unwrap_or(if v2 { 2 } else { 1 });
         // GLM-4.7-Flash names each layer dense or sparse (the first dense by default).
         let dense_layers = match family {
             Family::Glm4MoeLite => self.mlp_layer_types(first_dense)?,
             _ => (0..self.int("first_k_dense_replace")?.unwrap_or(first_dense).max(0)).collect(),
         };
         Ok(MoeConfig {
-            norm_topk: self.flag("norm_topk_prob")?.unwrap_or(true),
+            // DeepSeek-V2's router never renormalises, whatever norm_topk_prob says.
+            norm_topk: !v2 && self.flag("norm_topk_prob")?.unwrap_or(true),
             shared_expert_dim: (shared > 0).then_some(shared * width),
             shared_gate: false,
-            // Mistral 4's router scores by softmax and chooses by those scores alone.
-            scoring: if mistral4 { Scoring::Softmax } else { Scoring::Sigmoid },
-            choice_bias: !mistral4,
-            groups: self.int("n_group")?.unwrap_or(groups),
-            top_groups: self.int("topk_group")?.unwrap_or(top_groups),
+            scoring: if softmax { Scoring::Softmax } else { Scoring::Sigmoid },
+            choice_bias: !softmax,
+            // DeepSeek-V2's greedy choice reads no groups.
+            groups: if v2 { 1 } else { self.int("n_group")?.unwrap_or(groups) },
+            top_groups: if v2 { 1 } else { self.int("topk_group")?.unwrap_or(top_groups) },
             routed_scale: self.float("routed_scaling_factor")?.unwrap_or(routed_scale),
             dense_layers,
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),

@@ -869,6 +869,14 @@ fn olmoe_matches_transformers() {
     experts_match_transformers("olmoe", 8, 24);
 }
 
+/// DeepSeek-V2 (V2-Lite's shape): latent attention with whole queries, rotated pairs
+/// turned as complex numbers, YaRN's mscale; experts chosen greedily by softmax, weighted
+/// unrenormalised times the routed scale, beside a shared expert, a dense first layer.
+#[test]
+fn deepseek_v2_matches_transformers() {
+    family_matches_transformers("deepseek-v2", 24);
+}
+
 /// DeepSeek-V3: latent attention (low-rank queries, interleaved rotated pairs, YaRN's
 /// mscale on the rotation and on the scores) and sigmoid routing with a choice bias among
 /// groups, two shared experts and a dense first layer: logits, ten training steps, the
@@ -1810,8 +1818,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 46] = [
+const DECODER_TYPES: [&str; 47] = [
     "llama",
+    "deepseek_v2",
     "lfm2",
     "granitemoehybrid",
     "qwen2_5_vl_text",
