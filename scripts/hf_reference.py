@@ -625,12 +625,12 @@ def build(family, seed):
             for name, p in model.named_parameters():
                 if name.endswith("linear_attn.A_log"):
                     p.copy_(torch.empty_like(p).uniform_(0.5, 2.0).log())
-                # A Mamba-2 convolution's bias (and LFM2's projection's, before its convolution)
+                # A Mamba-2 convolution's and projection's biases (and LFM2's projection's)
                 # is what a padded position would write into the state: drawn large, and
                 # Mamba-2's state kept long, so that writing it shows.
                 if name.endswith("mamba.A_log"):
                     p.copy_(torch.empty_like(p).uniform_(0.05, 0.3).log())
-                if name.endswith(("mamba.conv1d.bias", "conv.in_proj.bias")):
+                if name.endswith(("mamba.conv1d.bias", "mamba.in_proj.bias", "conv.in_proj.bias")):
                     p.normal_(0.0, 2.0)
             # The choice bias is a buffer: draw it so that it changes which experts are chosen.
             # Gemma 4's block scalars are buffers too, stored and never trained; ERNIE 4.5 keeps

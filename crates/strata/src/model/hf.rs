@@ -687,14 +687,17 @@ impl Family {
     }
 
     /// The family a built-in model is written as, by the options it uses, the first that
-    /// applies: GPT as GPT-2; a decoder with experts as Gemma 4 (block scalars, or experts
+    /// applies: GPT as GPT-2; Granite 4 (its `shared_mlp` or Mamba-2 mixers); a decoder with
+    /// experts as Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
-    /// attention with queries scaled by position), GLM-4.7-Flash (latent attention with dense
+    /// attention with queries scaled by position), DeepSeek-V2 (latent attention with softmax
+    /// scores), GLM-4.7-Flash (latent attention with dense
     /// layers other than the first ones), DeepSeek-V3 (latent attention),
     /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), MiniMax-M2
     /// (Mixtral's names with DeepSeek's routing), GLM-4.5
     /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
-    /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as Qwen3.5 (linear
+    /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as LFM2 (short convolutions),
+    /// Qwen3.5 (linear
     /// attention), Nemotron (layer norms scaled by `1 + w`), StarCoder2 (`c_fc`/`c_proj`, or
     /// layer norms with biases), Cohere 2 and Cohere (layer norms without a bias, or the
     /// parallel block; Cohere 2 with a window), Arcee (ReLU²), Apertus (xIELU), EXAONE 4 (post
@@ -958,9 +961,11 @@ impl Family {
             ),
             (c.short_conv.is_some() != (self == Family::Lfm2), "LFM2's short convolutions"),
             (
-                (c.shared_mlp || c.state_space.is_some()) != (self == Family::GraniteMoeHybrid)
-                    || self == Family::GraniteMoeHybrid && !c.shared_mlp,
-                "Granite 4's shared_mlp and Mamba-2 layers",
+                c.shared_mlp != (self == Family::GraniteMoeHybrid)
+                    || c.state_space
+                        .as_ref()
+                        .is_some_and(|m| self != Family::GraniteMoeHybrid || m.inner() % c.dim != 0),
+                "Granite 4's shared_mlp and Mamba-2 layers (their width a whole multiple of the hidden size)",
             ),
             // EXAONE 4 turns no position on exactly its full layers, where it has a window.
             (
@@ -1716,13 +1721,17 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         let types: Vec<&str> =
             (0..c.layers as usize).map(|i| if c.is_linear(i) { "mamba" } else { "attention" }).collect();
         v["layer_types"] = json!(types);
+        // Sizes its class checks even where no layer is a Mamba-2 mixer (Granite 4 Micro's).
+        v["mamba_n_heads"] = json!(1);
+        v["mamba_expand"] = json!(1);
+        v["mamba_d_head"] = json!(c.dim);
         v["position_embedding_type"] = json!(if c.unrotated_layers.is_empty() { "rope" } else { "nope" });
         v["shared_intermediate_size"] = json!(c.hidden());
         // Without experts, none; with them, `experts_json` below names them.
         v["num_local_experts"] = json!(0);
         if let Some(m) = &c.state_space {
-            let expand = m.inner() as f64 / c.dim as f64;
-            v["mamba_expand"] = if m.inner() % c.dim == 0 { json!(m.inner() / c.dim) } else { json!(expand) };
+            // A whole multiple ([`Family::cannot_write`]).
+            v["mamba_expand"] = json!(m.inner() / c.dim);
             v["mamba_n_heads"] = json!(m.heads);
             v["mamba_d_head"] = json!(m.head_dim);
             v["mamba_n_groups"] = json!(m.groups);
@@ -1731,9 +1740,11 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["mamba_chunk_size"] = json!(m.chunk);
             v["mamba_conv_bias"] = json!(m.conv_bias);
             v["mamba_proj_bias"] = json!(m.proj_bias);
-            // JSON has no infinity: the class's default stands for an unbounded step.
+            // The class's default (0, infinity) left out; an unbounded step otherwise as
+            // `transformers` 5 tags infinity, which JSON has no number for.
             if m.time_step_min != 0.0 || m.time_step_max.is_some() {
-                v["time_step_limit"] = json!([m.time_step_min, m.time_step_max.unwrap_or(f64::MAX)]);
+                let max = m.time_step_max.map_or(json!({"__float__": PYTHON_INFINITY}), |max| json!(max));
+                v["time_step_limit"] = json!([m.time_step_min, max]);
             }
         }
     }
@@ -2995,10 +3006,13 @@ impl Keys<'_> {
                 None => self.int("num_key_value_heads")?.or(defaults.kv_heads),
             },
             norm_eps: self.float(family.norm_eps_key())?.unwrap_or(defaults.norm_eps),
-            tie_embeddings: self
-                .flag("tie_word_embeddings")?
-                .or(if lfm2 { self.flag("tie_embedding")? } else { None })
-                .unwrap_or(gemma || smollm3 || ernie || cohere || starcoder2 || lfm2 || class == Family::Qwen3VlMoe),
+            tie_embeddings: match if lfm2 { self.flag("tie_embedding")? } else { None } {
+                // LFM2's class reads its older key over the newer one.
+                Some(tied) => tied,
+                None => self.flag("tie_word_embeddings")?.unwrap_or(
+                    gemma || smollm3 || ernie || cohere || starcoder2 || lfm2 || class == Family::Qwen3VlMoe,
+                ),
+            },
             qkv_bias: (qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
@@ -3139,12 +3153,13 @@ impl Keys<'_> {
     /// `mamba_expand · hidden_size` over the heads).
     fn state_space(&self, dim: i64) -> KeyResult<StateSpaceConfig> {
         let heads = self.int("mamba_n_heads")?.unwrap_or(128);
-        let expand = self.float("mamba_expand")?.unwrap_or(2.0);
+        let inner = self.int("mamba_expand")?.unwrap_or(2).saturating_mul(dim);
         let head_dim = match self.get("mamba_d_head") {
-            Some(Value::String(auto)) if auto == "auto" => (expand * dim as f64) as i64 / heads.max(1),
-            _ => self.int("mamba_d_head")?.unwrap_or((expand * dim as f64) as i64 / heads.max(1)),
+            Some(Value::String(auto)) if auto == "auto" => inner / heads.max(1),
+            _ => self.int("mamba_d_head")?.unwrap_or(inner / heads.max(1)),
         };
-        if (expand * dim as f64) as i64 != heads * head_dim {
+        if inner != heads.saturating_mul(head_dim) {
+            let expand = inner / dim.max(1);
             return Err(format!(
                 "config.json: mamba_n_heads {heads} of mamba_d_head {head_dim} are not mamba_expand {expand} times \
                  hidden_size {dim}"
@@ -3153,18 +3168,23 @@ impl Keys<'_> {
         let (time_step_min, time_step_max) = match self.get("time_step_limit") {
             None => (0.0, None),
             Some(Value::Array(limits)) if limits.len() == 2 => {
-                // Infinity as Python's json writes it (quoted on reading), or as `transformers`
-                // 5 tags it (`{"__float__": "Infinity"}`).
-                let bound = |v: &Value| match v {
-                    Value::String(word) if word == PYTHON_INFINITY => Ok(None),
-                    Value::Object(tagged)
-                        if tagged.get("__float__").and_then(Value::as_str) == Some(PYTHON_INFINITY) =>
-                    {
-                        Ok(None)
+                // Infinities as Python's json writes them (quoted on reading), or as
+                // `transformers` 5 tags them (`{"__float__": "Infinity"}`).
+                let bound = |v: &Value| {
+                    let word = match v {
+                        Value::String(word) => Some(word.as_str()),
+                        Value::Object(tagged) => tagged.get("__float__").and_then(Value::as_str),
+                        _ => None,
+                    };
+                    match word {
+                        Some(PYTHON_INFINITY) => Ok(f64::INFINITY),
+                        Some(w) if w.strip_prefix('-') == Some(PYTHON_INFINITY) => Ok(f64::NEG_INFINITY),
+                        _ => v.as_f64().ok_or_else(|| format!("config.json: time_step_limit holds {v}")),
                     }
-                    v => v.as_f64().map(Some).ok_or_else(|| format!("config.json: time_step_limit holds {v}")),
                 };
-                (bound(&limits[0])?.unwrap_or(0.0), bound(&limits[1])?)
+                // The step is a softplus, never below 0: a lower bound under it bounds nothing.
+                let (lower, upper) = (bound(&limits[0])?, bound(&limits[1])?);
+                (lower.max(0.0), upper.is_finite().then_some(upper))
             }
             Some(other) => return Err(format!("config.json: time_step_limit is not a pair of numbers ({other})")),
         };
@@ -3186,17 +3206,8 @@ impl Keys<'_> {
     /// else the layers `full_attn_idxs` names attending and the others convolving (every
     /// layer attending where neither is given, as its class has it).
     fn lfm2_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
-        if let Some(types) = self.get("layer_types") {
-            let types = types.as_array().ok_or_else(|| format!("config.json: layer_types is not a list ({types})"))?;
-            let read = |t: &Value| match t.as_str() {
-                Some("conv") => Ok(LayerAttention::Linear),
-                Some("full_attention") => Ok(LayerAttention::Full),
-                _ => Err(format!("config.json: layer_types holds {t}, not \"conv\" or \"full_attention\"")),
-            };
-            let types = types.iter().map(read).collect::<KeyResult<Vec<_>>>()?;
-            if types.len() as i64 != layers {
-                return Err(format!("config.json: layer_types names {} layers of {layers}", types.len()));
-            }
+        let names = [("conv", LayerAttention::Linear), ("full_attention", LayerAttention::Full)];
+        if let Some(types) = self.listed_layer_kinds("layer_types", &names)? {
             return Ok(types);
         }
         let attending = match self.get("full_attn_idxs") {
@@ -3212,13 +3223,14 @@ impl Keys<'_> {
             .collect())
     }
 
-    /// LFM2's feed-forward width: `intermediate_size` (or `block_ff_dim`), which its class
-    /// adjusts where `block_auto_adjust_ff_dim` is on (the default): two thirds of it, times
-    /// `block_ffn_dim_multiplier`, rounded up to a multiple of `block_multiple_of`.
+    /// LFM2's feed-forward width: `intermediate_size` (or `block_ff_dim`, which its class
+    /// reads over it), which its class adjusts where `block_auto_adjust_ff_dim` is on (the
+    /// default): two thirds of it, times `block_ffn_dim_multiplier`, rounded up to a
+    /// multiple of `block_multiple_of`.
     fn lfm2_width(&self) -> KeyResult<i64> {
-        let given = match self.int("intermediate_size")? {
+        let given = match self.int("block_ff_dim")? {
             Some(width) => width,
-            None => self.int("block_ff_dim")?.unwrap_or(12288),
+            None => self.int("intermediate_size")?.unwrap_or(12288),
         };
         if !self.flag("block_auto_adjust_ff_dim")?.unwrap_or(true) {
             return Ok(given);
@@ -3233,33 +3245,31 @@ impl Keys<'_> {
         Ok(multiple * ((scaled + multiple - 1) / multiple))
     }
 
-    /// Granite 4's layer kinds (`layer_types`, which older folders name `layers_block_type`):
-    /// `mamba` (or `linear_attention`) and `attention` (or `full_attention`); every layer a
-    /// Mamba-2 mixer where neither key is given.
+    /// Granite 4's layer kinds (`layer_types`, or `layers_block_type`, which its class reads
+    /// over it): `mamba` (or `linear_attention`) and `attention` (or `full_attention`); every
+    /// layer a Mamba-2 mixer where neither key is given.
     fn granite4_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
-        let Some((key, types)) = ["layer_types", "layers_block_type"].iter().find_map(|k| Some((*k, self.get(k)?)))
-        else {
-            return Ok(vec![LayerAttention::Linear; layers as usize]);
-        };
-        let types = types.as_array().ok_or_else(|| format!("config.json: {key} is not a list ({types})"))?;
-        if types.len() as i64 != layers {
-            return Err(format!("config.json: {key} names {} layers of {layers}", types.len()));
+        let names = [
+            ("mamba", LayerAttention::Linear),
+            ("linear_attention", LayerAttention::Linear),
+            ("attention", LayerAttention::Full),
+            ("full_attention", LayerAttention::Full),
+        ];
+        for key in ["layers_block_type", "layer_types"] {
+            if let Some(types) = self.listed_layer_kinds(key, &names)? {
+                return Ok(types);
+            }
         }
-        let read = |t: &Value| match t.as_str() {
-            Some("mamba" | "linear_attention") => Ok(LayerAttention::Linear),
-            Some("attention" | "full_attention") => Ok(LayerAttention::Full),
-            _ => Err(format!("config.json: {key} holds {t}, not \"mamba\" or \"attention\"")),
-        };
-        types.iter().map(read).collect()
+        Ok((0..layers).map(|_| LayerAttention::Linear).collect())
     }
 
     /// Granite 4's attention turns positions where `position_embedding_type` is `rope`, and
-    /// none elsewhere (its class's default): every layer, or none, unrotated.
+    /// none otherwise (its class's default `nope`, or any other value, as its class reads
+    /// them): every layer, or none, unrotated.
     fn granite4_unrotated(&self, layers: i64) -> KeyResult<Vec<i64>> {
         match self.text("position_embedding_type")?.as_deref() {
             Some("rope") => Ok(vec![]),
-            None | Some("nope") => Ok((0..layers).collect()),
-            Some(other) => Err(format!("config.json: position_embedding_type {other:?} is not \"rope\" or \"nope\"")),
+            _ => Ok((0..layers).collect()),
         }
     }
 
@@ -3300,16 +3310,35 @@ impl Keys<'_> {
     /// `layer_types` as listed, each one of `allowed` (`full_attention`,
     /// `sliding_attention`, `linear_attention`); `None` where the key is absent.
     fn layer_types(&self, allowed: &[&str]) -> KeyResult<Option<Vec<LayerAttention>>> {
-        let types = match self.get("layer_types") {
+        let names: Vec<(&str, LayerAttention)> = [
+            ("full_attention", LayerAttention::Full),
+            ("sliding_attention", LayerAttention::Sliding),
+            ("linear_attention", LayerAttention::Linear),
+        ]
+        .into_iter()
+        .filter(|(name, _)| allowed.contains(name))
+        .collect();
+        self.listed_layer_kinds("layer_types", &names)
+    }
+
+    /// The list under `key`, each entry one of `names`' kinds; `None` where the key is absent
+    /// (its length is checked with the rest of the model's configuration).
+    fn listed_layer_kinds(
+        &self,
+        key: &str,
+        names: &[(&str, LayerAttention)],
+    ) -> KeyResult<Option<Vec<LayerAttention>>> {
+        let types = match self.get(key) {
             Some(Value::Array(types)) => types,
-            Some(other) => return Err(format!("config.json: layer_types is not a list ({other})")),
+            Some(other) => return Err(format!("config.json: {key} is not a list ({other})")),
             None => return Ok(None),
         };
-        let read = |t: &Value| match t.as_str().filter(|name| allowed.contains(name)) {
-            Some("full_attention") => Ok(LayerAttention::Full),
-            Some("sliding_attention") => Ok(LayerAttention::Sliding),
-            Some("linear_attention") => Ok(LayerAttention::Linear),
-            _ => Err(format!("config.json: layer_types holds {t}, not supported ({})", allowed.join(" or "))),
+        let read = |t: &Value| {
+            let kind = names.iter().find(|(name, _)| t.as_str() == Some(*name)).map(|(_, kind)| *kind);
+            kind.ok_or_else(|| {
+                let listed: Vec<&str> = names.iter().map(|(name, _)| *name).collect();
+                format!("config.json: {key} holds {t}, not supported ({})", listed.join(" or "))
+            })
         };
         types.iter().map(read).collect::<KeyResult<Vec<_>>>().map(Some)
     }

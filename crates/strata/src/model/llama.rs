@@ -1216,9 +1216,9 @@ impl LlamaBlock {
                         (Some(layout), Some(_)) => Some(layout.examples.f_ne(0)?.f_to_kind(h.kind())?),
                         (None, _) => None,
                     };
-                // A decoded row's left padding enters as zeros (and leaves a convolution with
-                // a bias as zeros), which leave the convolution's inputs and the recurrent state
-                // as they start: the text follows as if alone.
+                // A decoded row's left padding enters as zeros, and the mixers zero what their
+                // biases make of it, which leaves the convolution's inputs and the recurrent
+                // state as they start: the text follows as if alone.
                 let h = match &keep {
                     Some(keep) => h.f_mul(&keep.f_unsqueeze(-1)?)?,
                     None => h,

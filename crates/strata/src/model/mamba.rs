@@ -55,6 +55,12 @@ impl StateSpaceConfig {
             ("mamba_d_conv", self.conv_kernel),
             ("mamba_chunk_size", self.chunk),
         ])?;
+        if self.time_step_max.is_some_and(|max| max < self.time_step_min) {
+            return Err(Error::Config(format!(
+                "time_step_limit's bounds {} and {:?} are in the wrong order",
+                self.time_step_min, self.time_step_max
+            )));
+        }
         if self.heads % self.groups != 0 {
             return Err(Error::Config(format!(
                 "mamba_n_groups {} must divide mamba_n_heads {}",
@@ -142,8 +148,9 @@ impl Mamba2 {
 
     /// The mixer over the normed hidden states `h` `[B, T, D]`; with a cache, continuing
     /// from (and leaving) its convolution inputs and state. `keep` `[B, T]` (1 for a token,
-    /// 0 for padding) zeroes padding's convolution outputs too, whose bias would otherwise
-    /// write into the state.
+    /// 0 for padding) zeroes padding's convolution inputs and outputs, which the biases of
+    /// the projection and the convolution would otherwise make and write into the state, so
+    /// that a padded row reads as it does alone.
     pub(crate) fn forward(
         &self,
         p: &Params<'_>,
@@ -155,14 +162,18 @@ impl Mamba2 {
         let (b, t) = (h.size()[0], h.size()[1]);
         let projected = p.linear(h, self.in_proj.0, self.in_proj.1)?;
         let parts = projected.f_split_with_sizes([c.inner(), c.conv_channels(), c.heads], -1)?;
-        let [z, mixed, dt] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("in_proj split".into()))?;
+        let [z, mut mixed, dt] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("in_proj split".into()))?;
+        let keep = keep.map(|k| k.f_unsqueeze(-1)).transpose()?;
+        if let Some(keep) = &keep {
+            mixed = mixed.f_mul(&keep.f_to_kind(mixed.kind())?)?;
+        }
         let recurrent = cache.as_ref().and_then(|c| c.recurrent());
         let initial = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
         let conv_bias = self.conv.1.map(|b| &p[b]);
         let (convolved, kept) = causal_conv(&mixed, &p[self.conv.0], conv_bias, recurrent.map(|r| &r.conv))?;
         let mut convolved = convolved.f_silu()?;
-        if let Some(keep) = keep {
-            convolved = convolved.f_mul(&keep.f_unsqueeze(-1)?.f_to_kind(convolved.kind())?)?;
+        if let Some(keep) = &keep {
+            convolved = convolved.f_mul(&keep.f_to_kind(convolved.kind())?)?;
         }
         let group_width = c.groups * c.state;
         let x = convolved.f_narrow(-1, 0, c.inner())?.f_view([b, t, c.heads, c.head_dim])?;
@@ -178,7 +189,8 @@ impl Mamba2 {
         };
         let decay_rate = p[self.a_log].f_to_kind(Kind::Float)?.f_exp()?.f_neg()?;
         let scan = Scan { x: &x, dt: &dt, decay_rate: &decay_rate, input_map: &input_map, output_map: &output_map };
-        let (y, state) = scan.chunked(c.chunk, initial.as_ref())?;
+        // Chunks no longer than the row: a decoded token is a chunk of one.
+        let (y, state) = scan.chunked(c.chunk.min(t.max(1)), initial.as_ref())?;
         if let Some(cache) = cache {
             cache.advance(t);
             cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: Some(state.f_detach()?) });
