@@ -2905,6 +2905,14 @@ impl Keys<'_> {
                     .map(|(key, p)| (*key, p))
                     .or(older.map(|p| ("rope_scaling", p)))
                     .or(params.map(|p| ("rope_parameters", p)));
+                // Qwen2-VL's and Qwen2.5-VL's classes alone read `mrope` as the default rotation.
+                let kind = params.and_then(|(_, p)| p.get("rope_type").or(p.get("type"))).and_then(Value::as_str);
+                if kind == Some("mrope") && family != Family::Qwen2_5Vl {
+                    return Err(format!(
+                        "config.json: rope type \"mrope\" is not supported ({} has no multimodal rotation)",
+                        family.model_type()
+                    ));
+                }
                 let rope = self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?;
                 // HunYuan's class reads a dynamic rotation with an alpha as a fixed stretch of its base.
                 let alpha = match params {
@@ -4193,6 +4201,16 @@ mod tests {
                 (same.into(), same.into())
             );
         }
+    }
+
+    /// `mrope` is the default rotation for Qwen2.5-VL's language model alone, as in
+    /// `transformers`; another family naming it is refused.
+    #[test]
+    fn mrope_is_read_for_qwen2_5_vl_alone() {
+        let keys = json!({"rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}});
+        assert_eq!(read(Family::Qwen2_5Vl, keys.clone()).unwrap().rope_scaling, RopeScaling::None);
+        let refused = read(Family::Qwen3, keys).unwrap_err();
+        assert!(refused.contains("rope type \"mrope\" is not supported (qwen3"), "{refused}");
     }
 
     /// Qwen2.5-VL's Hub configs hold the language model's keys at the top level, its
