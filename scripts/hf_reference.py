@@ -479,6 +479,14 @@ def decoder_families():
             **dict(common, intermediate_size=60), num_hidden_layers=4, block_multiple_of=16, conv_bias=True,
             layer_types=["conv", "full_attention", "conv", "conv"], tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # LFM2-MoE: LFM2's layers, the first dense (40 wide, as given), the others with four
+        # experts, two per token, chosen by sigmoid scores plus a choice bias (drawn in build)
+        # and weighted by the renormalised scores times 1.5.
+        "lfm2-moe": lambda: (tf.Lfm2MoeForCausalLM, tf.Lfm2MoeConfig(
+            **dict(common, intermediate_size=40), num_hidden_layers=4, num_dense_layers=1, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=12, routed_scaling_factor=1.5,
+            layer_types=["conv", "full_attention", "conv", "conv"], tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Granite 4 (its H models): Granite's multipliers, Mamba-2 mixers (four heads in two
         # groups, chunks of 8 positions, so that the test rows span two) on three layers of
         # four and attention turning no position on the other; four experts, two per token,
@@ -636,7 +644,7 @@ def build(family, seed):
             # Gemma 4's block scalars are buffers too, stored and never trained; ERNIE 4.5 keeps
             # its choice bias as a parameter without a gradient.
             for name, buf in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
+                if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):
                     buf.copy_(torch.randn_like(buf) * 0.3)
                 if name.endswith("layer_scalar"):
                     buf.uniform_(0.5, 1.5)

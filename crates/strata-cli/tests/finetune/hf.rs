@@ -170,7 +170,8 @@ fn gemma4_experts_train_split_as_one_process() {
 /// norms over whole projections, their squares summed over the tensor ranks), and a Qwen3-VL-MoE
 /// release's language model over an expert group, and Granite 4's hybrid (Mamba-2 mixers,
 /// experts beside its `shared_mlp`) over an expert group and sharded, and LFM2 (short
-/// convolutions, its names, a tied head) sharded and over two pipeline stages, and
+/// convolutions, its names, a tied head) sharded and over two pipeline stages, LFM2-MoE's
+/// experts (a choice bias, its own names) over an expert group, and
 /// DeepSeek-V2's greedy softmax routing over an expert group, each training as one
 /// process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
 /// whose step is the gradient itself.
@@ -197,6 +198,7 @@ fn newer_families_train_split_as_one_process() {
         ("granite4-hybrid", "fsdp", r#"["fsdp"]"#),
         ("lfm2", "fsdp", r#"["fsdp"]"#),
         ("lfm2", "pipeline 2", PIPELINE),
+        ("lfm2-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("deepseek-v2", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
     ] {
         let flags = ["--ctx", "16", "--batch-size", "4", "--threads", "1", "--optimizer", "sgd", "--lr", "0.05"];

@@ -124,6 +124,10 @@ pub enum Family {
     /// LFM2 (`lfm2`): gated short convolutions on the layers `layer_types` marks `conv`,
     /// attention with per-head query/key norms on the others, under its own names.
     Lfm2,
+    /// LFM2's mixture of experts (`lfm2_moe`): its layers, the first ones dense, the others
+    /// with experts chosen by sigmoid scores plus a choice bias and weighted by the
+    /// renormalised scores, without a load-balancing loss.
+    Lfm2Moe,
     /// Granite 4 (`granitemoehybrid`): Granite's multipliers, Mamba-2 mixers on the layers
     /// `layer_types` marks (the others attention, turning positions or none), and on every
     /// layer its `shared_mlp`, beside Granite-MoE's experts where it has experts.
@@ -283,7 +287,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 50] = [
+const FAMILIES: [Family; 51] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -314,6 +318,7 @@ const FAMILIES: [Family; 50] = [
     Family::GraniteMoe,
     Family::GraniteMoeHybrid,
     Family::Lfm2,
+    Family::Lfm2Moe,
     Family::Llama4,
     Family::Mixtral,
     Family::MiniMaxM2,
@@ -370,6 +375,7 @@ impl Family {
             Family::GraniteMoe => "granitemoe",
             Family::GraniteMoeHybrid => "granitemoehybrid",
             Family::Lfm2 => "lfm2",
+            Family::Lfm2Moe => "lfm2_moe",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
             Family::MiniMaxM2 => "minimax_m2",
@@ -437,6 +443,7 @@ impl Family {
             Family::GraniteMoe => "GraniteMoe",
             Family::GraniteMoeHybrid => "GraniteMoeHybrid",
             Family::Lfm2 => "Lfm2",
+            Family::Lfm2Moe => "Lfm2Moe",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
             Family::MiniMaxM2 => "MiniMaxM2",
@@ -481,6 +488,7 @@ impl Family {
                 | Family::GraniteMoe
                 | Family::GraniteMoeHybrid
                 | Family::Lfm2
+                | Family::Lfm2Moe
                 | Family::Apertus
                 | Family::Llama4
                 | Family::Cohere
@@ -512,7 +520,7 @@ impl Family {
                 }
                 Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
-                Qwen3Vl | Qwen3VlMoe | Lfm2 => 128_000,
+                Qwen3Vl | Qwen3VlMoe | Lfm2 | Lfm2Moe => 128_000,
                 MiniMaxM2 => 196_608,
                 Glm4MoeLite => 202_752,
                 Apertus => 65_536,
@@ -526,11 +534,11 @@ impl Family {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 => 1e-5,
+                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
-                Mixtral | Qwen2_5Vl | Lfm2 => 1e6,
+                Mixtral | Qwen2_5Vl | Lfm2 | Lfm2Moe => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
                 Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl | Qwen3VlMoe => 500_000.0,
@@ -554,9 +562,8 @@ impl Family {
             kv_heads: match self {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
-                MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2 => {
-                    Some(8)
-                }
+                MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2
+                | Lfm2Moe => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
                 _ => None,
@@ -577,7 +584,7 @@ impl Family {
         match self {
             Family::Cohere | Family::Cohere2 => "layer_norm_eps",
             Family::Starcoder2 => "norm_epsilon",
-            Family::Nemotron | Family::Lfm2 => "norm_eps",
+            Family::Nemotron | Family::Lfm2 | Family::Lfm2Moe => "norm_eps",
             _ => "rms_norm_eps",
         }
     }
@@ -620,6 +627,7 @@ impl Family {
             Family::Ernie4_5Moe => Family::Ernie4_5,
             Family::GraniteMoe | Family::GraniteMoeHybrid => Family::Granite,
             Family::HunYuanMoe => Family::HunYuanDense,
+            Family::Lfm2Moe => Family::Lfm2,
             Family::Olmoe
             | Family::MiniMaxM2
             | Family::DeepseekV3
@@ -728,6 +736,7 @@ impl Family {
         }
         if let Some(moe) = &c.moe {
             return Ok(match c {
+                _ if moe.names == ExpertNames::FeedForwardW => Family::Lfm2Moe,
                 c if c.layer_scalar || moe.beside_dense => Family::Gemma4,
                 _ if moe.names == ExpertNames::FeedForward => Family::Llama4,
                 _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
@@ -959,7 +968,23 @@ impl Family {
                     && c.unrotated_layers.len() as i64 != c.layers,
                 "layers that turn no position beside layers that do",
             ),
-            (c.short_conv.is_some() != (self == Family::Lfm2), "LFM2's short convolutions"),
+            (c.short_conv.is_some() != (self.dense() == Family::Lfm2), "LFM2's short convolutions"),
+            (
+                moe.is_some_and(|m| {
+                    if self != Family::Lfm2Moe {
+                        return m.names == ExpertNames::FeedForwardW;
+                    }
+                    let routing = m.names == ExpertNames::FeedForwardW
+                        && m.scoring == Scoring::Sigmoid
+                        && m.groups == 1
+                        && m.sparse_step == 1
+                        && dense_layers_lead(m)
+                        && m.aux_loss_coef == 0.0
+                        && m.norm_topk_epsilon == 1e-6;
+                    !routing
+                }),
+                "LFM2-MoE's experts (sigmoid scores, the first layers dense, no load-balancing loss)",
+            ),
             (
                 c.shared_mlp != (self == Family::GraniteMoeHybrid)
                     || c.state_space
@@ -1022,6 +1047,7 @@ impl Family {
                         self,
                         Family::Mistral4
                             | Family::DeepseekV2
+                            | Family::Lfm2Moe
                             | Family::Ernie4_5Moe
                             | Family::HunYuanMoe
                             | Family::Llama4
@@ -1269,7 +1295,7 @@ impl Family {
             Family::HunYuanDense | Family::HunYuanMoe => &[&HUNYUAN_NORMS],
             Family::Apertus => &[&APERTUS_NORMS],
             Family::GraniteMoe | Family::GraniteMoeHybrid => &[&GRANITE_MOE_STACKS],
-            Family::Lfm2 => &[&LFM2_NAMES],
+            Family::Lfm2 | Family::Lfm2Moe => &[&LFM2_NAMES],
             _ => &[],
         };
         lists.iter().flat_map(|list| list.iter().copied())
@@ -1822,7 +1848,7 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
     v["num_experts_per_tok"] = json!(moe.top_k);
     // DeepSeek-V3's and GLM-4.5's classes train with no load-balancing loss: the key is
     // theirs only where one is set.
-    if moe.aux_loss_coef != 0.0 || !family.routes_like_deepseek() {
+    if moe.aux_loss_coef != 0.0 || !(family.routes_like_deepseek() || family == Family::Lfm2Moe) {
         v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
     }
     match family {
@@ -1858,6 +1884,14 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         Family::GraniteMoe | Family::GraniteMoeHybrid => {
             v["num_local_experts"] = json!(moe.experts);
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
+        }
+        Family::Lfm2Moe => {
+            v["num_experts"] = json!(moe.experts);
+            v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
+            v["num_dense_layers"] = json!(moe.dense_layers.len());
+            v["use_expert_bias"] = json!(moe.choice_bias);
+            v["routed_scaling_factor"] = json!(moe.routed_scale);
+            v["norm_topk_prob"] = json!(moe.norm_topk);
         }
         Family::GptOss => {
             v["num_local_experts"] = json!(moe.experts);
@@ -2742,7 +2776,7 @@ impl Keys<'_> {
         let minimax = family == Family::MiniMaxM2;
         let cohere = family.is_cohere();
         let granite4 = family == Family::GraniteMoeHybrid;
-        let lfm2 = family == Family::Lfm2;
+        let lfm2 = family.dense() == Family::Lfm2;
         if family == Family::Cohere {
             self.only("use_qk_norm", &[json!(false)], "Command R+'s per-head query/key layer norms are not read")?;
         }
@@ -2779,7 +2813,7 @@ impl Keys<'_> {
             | Family::Cohere2 => Some(0),
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
-            Family::Lfm2 => Some(0),
+            Family::Lfm2 | Family::Lfm2Moe => Some(0),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
             Family::SmolLm3 => Some(128_004),
@@ -2995,7 +3029,9 @@ impl Keys<'_> {
             ffn_dim: Some(match (self.int("intermediate_size")?, &moe) {
                 // Granite 4's dense network is its shared_mlp (its experts intermediate_size wide).
                 _ if granite4 => self.int("shared_intermediate_size")?.unwrap_or(1024),
-                _ if lfm2 => self.lfm2_width()?,
+                // LFM2-MoE's dense layers are as wide as it says.
+                _ if class == Family::Lfm2 => self.lfm2_width()?,
+                _ if lfm2 => self.int("intermediate_size")?.unwrap_or(7168),
                 (Some(d), _) => d,
                 // Qwen3.5's experts route every layer, so no dense feed-forward has a width.
                 (None, Some(m)) if qwen3_5_moe => m.expert_ffn_dim,
@@ -3253,6 +3289,30 @@ impl Keys<'_> {
         Ok(multiple * ((scaled + multiple - 1) / multiple))
     }
 
+    /// LFM2-MoE's experts: `num_experts_per_tok` of `num_experts` (4 of 32 by default),
+    /// `moe_intermediate_size` wide, chosen by their sigmoid scores plus the choice bias
+    /// `expert_bias` (where `use_expert_bias`), weighted by their scores renormalised with
+    /// an epsilon of 1e-6 (where `norm_topk_prob`) times `routed_scaling_factor`, sparse
+    /// past the first `num_dense_layers`; its class has no load-balancing loss.
+    fn lfm2_moe_experts(&self) -> KeyResult<MoeConfig> {
+        let dense = self.int("num_dense_layers")?.unwrap_or(2).max(0);
+        Ok(MoeConfig {
+            names: ExpertNames::FeedForwardW,
+            scoring: Scoring::Sigmoid,
+            choice_bias: self.flag("use_expert_bias")?.unwrap_or(true),
+            norm_topk: self.flag("norm_topk_prob")?.unwrap_or(true),
+            norm_topk_epsilon: 1e-6,
+            routed_scale: self.float("routed_scaling_factor")?.unwrap_or(1.0),
+            dense_layers: (0..dense).collect(),
+            aux_loss_coef: 0.0,
+            ..MoeConfig::new(
+                self.int("num_experts")?.unwrap_or(32),
+                self.int("num_experts_per_tok")?.unwrap_or(4),
+                self.int("moe_intermediate_size")?.unwrap_or(1792),
+            )
+        })
+    }
+
     /// Granite 4's layer kinds (`layer_types`, or `layers_block_type`, which its class reads
     /// over it): `mamba` (or `linear_attention`) and `attention` (or `full_attention`); every
     /// layer a Mamba-2 mixer where neither key is given.
@@ -3395,6 +3455,9 @@ impl Keys<'_> {
         }
         if family == Family::Llama4 {
             return self.llama4_experts().map(Some);
+        }
+        if family == Family::Lfm2Moe {
+            return self.lfm2_moe_experts().map(Some);
         }
         // Granite 4's layers hold experts where it has some.
         if !family.has_experts() || family == Family::GraniteMoeHybrid && self.int("num_local_experts")? == Some(0) {

@@ -136,6 +136,9 @@ pub enum ExpertNames {
     /// [`ExpertNames::Mlp`]'s experts, the router `mlp.gate.wg.weight` and the shared expert
     /// `mlp.shared_mlp.{gate,up,down}_proj.weight` (HunYuan-MoE).
     SharedMlp,
+    /// `feed_forward.gate.weight`, `feed_forward.experts.{e}.w{1,3,2}.weight` (Mixtral's
+    /// order: gate, up, down) and the choice bias `feed_forward.expert_bias` (LFM2-MoE).
+    FeedForwardW,
 }
 
 /// How a router turns its logits into the scores it chooses and weights experts by.
@@ -203,6 +206,10 @@ pub struct MoeConfig {
     /// The routing weights are multiplied by this (`routed_scaling_factor`).
     #[serde(default = "unit_scale")]
     pub routed_scale: f64,
+    /// What the renormalisation adds to the sum it divides by (1e-20, DeepSeek's; LFM2-MoE's
+    /// 1e-6).
+    #[serde(default = "renormalisation_epsilon")]
+    pub norm_topk_epsilon: f64,
     /// Which layers are sparse: layer `i` is when `(i + 1) % sparse_step == 0` and `i` is
     /// not in `dense_layers` (`decoder_sparse_step`, `mlp_only_layers`).
     #[serde(default = "every_layer")]
@@ -256,6 +263,10 @@ fn one() -> i64 {
     1
 }
 
+fn renormalisation_epsilon() -> f64 {
+    1e-20
+}
+
 fn unit_scale() -> f64 {
     1.0
 }
@@ -284,6 +295,7 @@ impl MoeConfig {
             groups: 1,
             top_groups: 1,
             routed_scale: 1.0,
+            norm_topk_epsilon: renormalisation_epsilon(),
             sparse_step: 1,
             dense_layers: vec![],
             aux_loss_coef: 0.0,
@@ -409,6 +421,7 @@ impl MoeConfig {
             ExpertNames::InputOutputLinear => format!("{layer}.block_sparse_moe.router.layer.weight"),
             ExpertNames::FeedForward => format!("{layer}.feed_forward.router.weight"),
             ExpertNames::SharedMlp => format!("{layer}.mlp.gate.wg.weight"),
+            ExpertNames::FeedForwardW => format!("{layer}.feed_forward.gate.weight"),
         }
     }
 
@@ -420,6 +433,9 @@ impl MoeConfig {
             }
             ExpertNames::BlockSparse => {
                 ["w1", "w3", "w2"].map(|w| format!("{layer}.block_sparse_moe.experts.{e}.{w}.weight"))
+            }
+            ExpertNames::FeedForwardW => {
+                ["w1", "w3", "w2"].map(|w| format!("{layer}.feed_forward.experts.{e}.{w}.weight"))
             }
             ExpertNames::Layer => {
                 ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.experts.{e}.{w}.weight"))
@@ -438,7 +454,7 @@ impl MoeConfig {
         match self.names {
             ExpertNames::Layer => format!("{layer}.experts"),
             ExpertNames::InputOutputLinear => format!("{layer}.block_sparse_moe.experts"),
-            ExpertNames::FeedForward => format!("{layer}.feed_forward.experts"),
+            ExpertNames::FeedForward | ExpertNames::FeedForwardW => format!("{layer}.feed_forward.experts"),
             _ => format!("{layer}.mlp.experts"),
         }
     }
@@ -521,6 +537,7 @@ pub(crate) struct Router {
     groups: i64,
     top_groups: i64,
     scale: f64,
+    norm_epsilon: f64,
     balance_over_softmax: bool,
 }
 
@@ -567,6 +584,7 @@ impl SparseFeedForward {
                 ExpertNames::BlockSparse => {
                     (format!("{name}.block_sparse_moe.e_score_correction_bias"), vec![moe.experts])
                 }
+                ExpertNames::FeedForwardW => (format!("{name}.feed_forward.expert_bias"), vec![moe.experts]),
                 _ => (format!("{module}.e_score_correction_bias"), vec![moe.experts]),
             };
             let id = u.frozen_param(bias, &shape, Init::Zeros, TpRole::Replicated);
@@ -620,6 +638,7 @@ impl SparseFeedForward {
                 groups: moe.groups,
                 top_groups: moe.top_groups,
                 scale: moe.routed_scale,
+                norm_epsilon: moe.norm_topk_epsilon,
                 balance_over_softmax: moe.balance_over_softmax,
             },
             experts,
@@ -725,7 +744,8 @@ impl SparseFeedForward {
         let experts = choice.f_topk(r.top_k, -1, true, true)?.1;
         let mut weights = probs.f_gather(-1, &experts, false)?;
         if r.norm_topk {
-            weights = weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(1e-20)?)?;
+            weights =
+                weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(r.norm_epsilon)?)?;
         }
         if r.scale != 1.0 {
             weights = weights.f_mul_scalar(r.scale)?;

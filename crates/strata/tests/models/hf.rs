@@ -725,6 +725,14 @@ fn lfm2_matches_transformers() {
     family_matches_transformers("lfm2", 24);
 }
 
+/// LFM2-MoE: LFM2's layers, the first dense, the others' experts chosen by sigmoid scores
+/// plus a choice bias, weighted by the renormalised scores (its own epsilon) times the
+/// routed scale; no load-balancing loss.
+#[test]
+fn lfm2_moe_matches_transformers() {
+    family_matches_transformers("lfm2-moe", 24);
+}
+
 /// Granite 4's H models: Mamba-2 mixers (their scan over two chunks of the rows) on three
 /// layers of four, attention turning no position on the other, every layer's 4 experts (top
 /// 2) beside its `shared_mlp`, Granite's multipliers.
@@ -1818,8 +1826,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 47] = [
+const DECODER_TYPES: [&str; 48] = [
     "llama",
+    "lfm2_moe",
     "deepseek_v2",
     "lfm2",
     "granitemoehybrid",
