@@ -1488,6 +1488,7 @@ mod tests {
                 groups: 1,
                 top_groups: 1,
                 scale: 1.0,
+                norm_epsilon: renormalisation_epsilon(),
                 balance_over_softmax: false,
             },
             experts,
