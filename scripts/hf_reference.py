@@ -479,6 +479,12 @@ def decoder_families():
             **dict(common, intermediate_size=60), num_hidden_layers=4, block_multiple_of=16, conv_bias=True,
             layer_types=["conv", "full_attention", "conv", "conv"], tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Bamba: Mamba-2 mixers (two groups, chunks of 8) on three layers of four, attention
+        # turning half of each head on the other, biases on the mixer's projections.
+        "bamba": lambda: (tf.BambaForCausalLM, tf.BambaConfig(
+            **common, num_hidden_layers=4, attn_layer_indices=[2], mamba_n_heads=4, mamba_n_groups=2,
+            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
+            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # LFM2-MoE: LFM2's layers, the first dense (40 wide, as given), the others with four
         # experts, two per token, chosen by sigmoid scores plus a choice bias (drawn in build)
         # and weighted by the renormalised scores times 1.5.

@@ -121,6 +121,9 @@ pub enum Family {
     /// Granite-MoE (`granitemoe`): Granite's decoder with experts on every layer, stacked in
     /// its files under their own names.
     GraniteMoe,
+    /// Bamba (`bamba`): Mamba-2 mixers beside attention on the layers `attn_layer_indices`
+    /// names, half of each head turned, under its own norms' and feed-forward's names.
+    Bamba,
     /// LFM2 (`lfm2`): gated short convolutions on the layers `layer_types` marks `conv`,
     /// attention with per-head query/key norms on the others, under its own names.
     Lfm2,
@@ -229,6 +232,17 @@ const LFM2_NAMES: [(&str, &str); 9] = [
     ("norm.weight", "embedding_norm.weight"),
 ];
 
+/// Bamba's names of Strata's parameters (its final norm `final_layernorm`).
+const BAMBA_NAMES: [(&str, &str); 6] = [
+    ("post_attention_layernorm.weight", "pre_ff_layernorm.weight"),
+    ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight"),
+    ("mlp.up_proj.weight", "feed_forward.up_proj.weight"),
+    ("mlp.down_proj.weight", "feed_forward.down_proj.weight"),
+    // The mixers' gated norms keep their names; the one `norm.weight` left is the final norm.
+    ("mamba.norm.weight", "mamba.norm.weight"),
+    ("norm.weight", "final_layernorm.weight"),
+];
+
 const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"),
     ("pre_feedforward_layernorm.weight", "post_attention_layernorm.weight"),
@@ -287,7 +301,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 51] = [
+const FAMILIES: [Family; 52] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -319,6 +333,7 @@ const FAMILIES: [Family; 51] = [
     Family::GraniteMoeHybrid,
     Family::Lfm2,
     Family::Lfm2Moe,
+    Family::Bamba,
     Family::Llama4,
     Family::Mixtral,
     Family::MiniMaxM2,
@@ -375,6 +390,7 @@ impl Family {
             Family::GraniteMoe => "granitemoe",
             Family::GraniteMoeHybrid => "granitemoehybrid",
             Family::Lfm2 => "lfm2",
+            Family::Bamba => "bamba",
             Family::Lfm2Moe => "lfm2_moe",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
@@ -443,6 +459,7 @@ impl Family {
             Family::GraniteMoe => "GraniteMoe",
             Family::GraniteMoeHybrid => "GraniteMoeHybrid",
             Family::Lfm2 => "Lfm2",
+            Family::Bamba => "Bamba",
             Family::Lfm2Moe => "Lfm2Moe",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
@@ -489,6 +506,7 @@ impl Family {
                 | Family::GraniteMoeHybrid
                 | Family::Lfm2
                 | Family::Lfm2Moe
+                | Family::Bamba
                 | Family::Apertus
                 | Family::Llama4
                 | Family::Cohere
@@ -528,13 +546,14 @@ impl Family {
                 Cohere | Cohere2 => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
+                Bamba => 262_144,
                 _ => 2048,
             },
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe => 1e-5,
+                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -563,7 +582,7 @@ impl Family {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2
-                | Lfm2Moe => Some(8),
+                | Lfm2Moe | Bamba => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
                 _ => None,
@@ -731,8 +750,11 @@ impl Family {
         if c.latent.is_some() && c.moe.is_none() {
             return Err(Error::Config("latent attention without experts has no family to be written as".into()));
         }
-        if c.shared_mlp || c.state_space.is_some() {
+        if c.shared_mlp {
             return Ok(Family::GraniteMoeHybrid);
+        }
+        if c.state_space.is_some() && c.moe.is_none() {
+            return Ok(Family::Bamba);
         }
         if let Some(moe) = &c.moe {
             return Ok(match c {
@@ -969,6 +991,11 @@ impl Family {
                 "layers that turn no position beside layers that do",
             ),
             (c.short_conv.is_some() != (self.dense() == Family::Lfm2), "LFM2's short convolutions"),
+            // Bamba's class turns half of each head, and has no biases on its feed-forward.
+            (
+                self == Family::Bamba && (c.partial_rotary != 0.5 || c.mlp_bias || c.state_space.is_none()),
+                "Bamba's half-turned heads beside Mamba-2 mixers, its feed-forward without biases",
+            ),
             (
                 moe.is_some_and(|m| {
                     if self != Family::Lfm2Moe {
@@ -987,9 +1014,9 @@ impl Family {
             ),
             (
                 c.shared_mlp != (self == Family::GraniteMoeHybrid)
-                    || c.state_space
-                        .as_ref()
-                        .is_some_and(|m| self != Family::GraniteMoeHybrid || m.inner() % c.dim != 0),
+                    || c.state_space.as_ref().is_some_and(|m| {
+                        !matches!(self, Family::GraniteMoeHybrid | Family::Bamba) || m.inner() % c.dim != 0
+                    }),
                 "Granite 4's shared_mlp and Mamba-2 layers (their width a whole multiple of the hidden size)",
             ),
             // EXAONE 4 turns no position on exactly its full layers, where it has a window.
@@ -1245,7 +1272,7 @@ impl Family {
                     && !matches!(dense, Family::Phi3 | Family::Glm4 | Family::Gemma4 | Family::Nemotron)
                     && !glm
                     && !next
-                    && self != Family::MiniMaxM2,
+                    && !matches!(self, Family::MiniMaxM2 | Family::Bamba),
                 "a partial rotation",
             ),
             (
@@ -1296,6 +1323,7 @@ impl Family {
             Family::Apertus => &[&APERTUS_NORMS],
             Family::GraniteMoe | Family::GraniteMoeHybrid => &[&GRANITE_MOE_STACKS],
             Family::Lfm2 | Family::Lfm2Moe => &[&LFM2_NAMES],
+            Family::Bamba => &[&BAMBA_NAMES],
             _ => &[],
         };
         lists.iter().flat_map(|list| list.iter().copied())
@@ -1755,7 +1783,13 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["shared_intermediate_size"] = json!(c.hidden());
         // Without experts, none; with them, `experts_json` below names them.
         v["num_local_experts"] = json!(0);
-        if let Some(m) = &c.state_space {
+    }
+    if family == Family::Bamba {
+        let attending: Vec<i64> = (0..c.layers).filter(|&i| !c.is_linear(i as usize)).collect();
+        v["attn_layer_indices"] = json!(attending);
+    }
+    if let Some(m) = &c.state_space {
+        {
             // A whole multiple ([`Family::cannot_write`]).
             v["mamba_expand"] = json!(m.inner() / c.dim);
             v["mamba_n_heads"] = json!(m.heads);
@@ -2777,6 +2811,11 @@ impl Keys<'_> {
         let cohere = family.is_cohere();
         let granite4 = family == Family::GraniteMoeHybrid;
         let lfm2 = family.dense() == Family::Lfm2;
+        let bamba = family == Family::Bamba;
+        if bamba {
+            self.only("z_loss_coefficient", &[json!(0), json!(0.0)], "a z-loss on the logits is not applied")?;
+            self.only("mlp_bias", &[json!(false)], "Bamba's feed-forward has no biases here")?;
+        }
         if family == Family::Cohere {
             self.only("use_qk_norm", &[json!(false)], "Command R+'s per-head query/key layer norms are not read")?;
         }
@@ -2813,7 +2852,7 @@ impl Keys<'_> {
             | Family::Cohere2 => Some(0),
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
-            Family::Lfm2 | Family::Lfm2Moe => Some(0),
+            Family::Lfm2 | Family::Lfm2Moe | Family::Bamba => Some(0),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
             Family::SmolLm3 => Some(128_004),
@@ -2979,6 +3018,8 @@ impl Keys<'_> {
             _ if latent.is_some() => 1.0,
             // StarCoder2's class turns whole heads whatever partial_rotary_factor says.
             _ if starcoder2 => 1.0,
+            // Bamba's turns half of each, whatever it says.
+            _ if bamba => 0.5,
             _ if partial_given => rope.partial,
             // MiniMax-M2's folders name the turned width of each head.
             _ if minimax => match self.int("rotary_dim")? {
@@ -3000,6 +3041,7 @@ impl Keys<'_> {
             (_, true) => (None, Some(self.linear_layers(layers)?)),
             _ if granite4 => (None, Some(self.granite4_layers(layers)?)),
             _ if lfm2 => (None, Some(self.lfm2_layers(layers)?)),
+            _ if bamba => (None, Some(self.bamba_layers(layers)?)),
             (Some(l), _) => (None, Some(l.layer_types.clone())),
             _ => self.windows(class, layers, &unrotated_layers)?,
         };
@@ -3117,7 +3159,7 @@ impl Keys<'_> {
             linear_attention: if next { Some(self.linear_attention(split_projections)?) } else { None },
             // Granite 4's and LFM2's mixers where some layer has one (Granite 4 Micro's attend
             // on every layer).
-            state_space: if granite4 && recurrent_layers { Some(self.state_space(dim)?) } else { None },
+            state_space: if (granite4 || bamba) && recurrent_layers { Some(self.state_space(dim)?) } else { None },
             shared_mlp: granite4,
             short_conv: match lfm2 && recurrent_layers {
                 true => Some(ShortConvConfig {
@@ -3311,6 +3353,22 @@ impl Keys<'_> {
                 self.int("moe_intermediate_size")?.unwrap_or(1792),
             )
         })
+    }
+
+    /// Bamba's layer kinds: attention on the layers `attn_layer_indices` lists, a Mamba-2
+    /// mixer on the others (on every layer where it lists none).
+    fn bamba_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
+        let attending = match self.get("attn_layer_indices") {
+            Some(Value::Array(indices)) => indices
+                .iter()
+                .map(|i| i.as_i64().ok_or_else(|| format!("config.json: attn_layer_indices holds {i}, not a layer")))
+                .collect::<KeyResult<Vec<i64>>>()?,
+            Some(other) => return Err(format!("config.json: attn_layer_indices is not a list ({other})")),
+            None => vec![],
+        };
+        Ok((0..layers)
+            .map(|i| if attending.contains(&i) { LayerAttention::Full } else { LayerAttention::Linear })
+            .collect())
     }
 
     /// Granite 4's layer kinds (`layer_types`, or `layers_block_type`, which its class reads
@@ -4858,6 +4916,7 @@ mod tests {
                        "layer_types": ["attention", "attention", "attention"]}),
             ),
             (Family::Lfm2, json!({"layer_types": ["conv", "full_attention", "conv"]})),
+            (Family::Bamba, json!({"attn_layer_indices": [1], "mamba_n_heads": 4})),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();

@@ -733,6 +733,13 @@ fn lfm2_moe_matches_transformers() {
     family_matches_transformers("lfm2-moe", 24);
 }
 
+/// Bamba: Mamba-2 mixers on three layers of four (biases on their projections), attention
+/// turning half of each head on the other, its own norms' and feed-forward's names.
+#[test]
+fn bamba_matches_transformers() {
+    family_matches_transformers("bamba", 24);
+}
+
 /// Granite 4's H models: Mamba-2 mixers (their scan over two chunks of the rows) on three
 /// layers of four, attention turning no position on the other, every layer's 4 experts (top
 /// 2) beside its `shared_mlp`, Granite's multipliers.
@@ -1801,7 +1808,7 @@ fn left_out_keys_take_each_configuration_class_defaults() {
             sizes["hidden_size_per_layer_input"] = 0.into();
         }
         // Granite 4's 128 Mamba-2 heads by default share twice the hidden size: more than 64.
-        if model_type == "granitemoehybrid" && heads == 4 {
+        if matches!(model_type, "granitemoehybrid" | "bamba") && heads == 4 {
             sizes["mamba_n_heads"] = 4.into();
         }
         let whole: serde_json::Value =
@@ -1826,8 +1833,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 48] = [
+const DECODER_TYPES: [&str; 49] = [
     "llama",
+    "bamba",
     "lfm2_moe",
     "deepseek_v2",
     "lfm2",
