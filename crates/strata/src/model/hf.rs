@@ -164,7 +164,8 @@ pub enum Family {
     /// DeepSeek-V3 (`deepseek_v3`): latent attention, sigmoid routing with a choice bias
     /// among groups of experts, shared experts, the first layers dense.
     DeepseekV3,
-    /// DeepSeek-V2 (`deepseek_v2`, V2-Lite and V2.5's shapes): DeepSeek-V3's latent
+    /// DeepSeek-V2 (`deepseek_v2`, V2-Lite's and Coder-V2-Lite's shape; the larger models'
+    /// group-limited choice is refused): DeepSeek-V3's latent
     /// attention, each head's rotated part turned as adjacent pairs; experts chosen greedily
     /// by their softmax scores and weighted by them unrenormalised, times the routed scale,
     /// beside shared experts, the first layers dense.
@@ -231,6 +232,10 @@ const LFM2_NAMES: [(&str, &str); 9] = [
     // The one `norm.weight` left after the ones above: the final norm's.
     ("norm.weight", "embedding_norm.weight"),
 ];
+
+/// LFM2's names of its layers' kinds in `layer_types`.
+const LFM2_LAYER_NAMES: [(&str, LayerAttention); 2] =
+    [("conv", LayerAttention::Linear), ("full_attention", LayerAttention::Full)];
 
 /// Bamba's names of Strata's parameters (its final norm `final_layernorm`).
 const BAMBA_NAMES: [(&str, &str); 6] = [
@@ -714,8 +719,8 @@ impl Family {
     }
 
     /// The family a built-in model is written as, by the options it uses, the first that
-    /// applies: GPT as GPT-2; Granite 4 (its `shared_mlp` or Mamba-2 mixers); a decoder with
-    /// experts as Gemma 4 (block scalars, or experts
+    /// applies: GPT as GPT-2; Granite 4 (its `shared_mlp`); Bamba (Mamba-2 mixers without
+    /// experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V2 (latent attention with softmax
     /// scores), GLM-4.7-Flash (latent attention with dense
@@ -763,7 +768,8 @@ impl Family {
                 _ if moe.names == ExpertNames::FeedForward => Family::Llama4,
                 _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
-                // Softmax scores without a choice bias, without Mistral 4's query scaling.
+                // Softmax scores, without Mistral 4's query scaling (the rest checked by
+                // `cannot_write`).
                 c if c.latent.is_some() && moe.scoring == Scoring::Softmax => Family::DeepseekV2,
                 // Dense layers other than the first ones: GLM-4.7-Flash names each layer's kind.
                 c if c.latent.is_some() && !dense_layers_lead(moe) => Family::Glm4MoeLite,
@@ -991,6 +997,12 @@ impl Family {
                 "layers that turn no position beside layers that do",
             ),
             (c.short_conv.is_some() != (self.dense() == Family::Lfm2), "LFM2's short convolutions"),
+            (
+                moe.is_some_and(|m| {
+                    m.norm_topk && m.norm_topk_epsilon != if self == Family::Lfm2Moe { 1e-6 } else { 1e-20 }
+                }),
+                "the epsilon of the routing weights' renormalisation (1e-6 for LFM2-MoE, 1e-20 elsewhere)",
+            ),
             // Bamba's class turns half of each head, and has no biases on its feed-forward.
             (
                 self == Family::Bamba && (c.partial_rotary != 0.5 || c.mlp_bias || c.state_space.is_none()),
@@ -1006,8 +1018,7 @@ impl Family {
                         && m.groups == 1
                         && m.sparse_step == 1
                         && dense_layers_lead(m)
-                        && m.aux_loss_coef == 0.0
-                        && m.norm_topk_epsilon == 1e-6;
+                        && m.aux_loss_coef == 0.0;
                     !routing
                 }),
                 "LFM2-MoE's experts (sigmoid scores, the first layers dense, no load-balancing loss)",
@@ -3040,6 +3051,8 @@ impl Keys<'_> {
         let (sliding_window, layer_types) = match (&llama4_attention, next) {
             (_, true) => (None, Some(self.linear_layers(layers)?)),
             _ if granite4 => (None, Some(self.granite4_layers(layers)?)),
+            // LFM2-MoE's class reads layer_types alone.
+            _ if class == Family::Lfm2Moe => (None, Some(self.layer_kinds_required(&LFM2_LAYER_NAMES)?)),
             _ if lfm2 => (None, Some(self.lfm2_layers(layers)?)),
             _ if bamba => (None, Some(self.bamba_layers(layers)?)),
             (Some(l), _) => (None, Some(l.layer_types.clone())),
@@ -3071,8 +3084,8 @@ impl Keys<'_> {
             ffn_dim: Some(match (self.int("intermediate_size")?, &moe) {
                 // Granite 4's dense network is its shared_mlp (its experts intermediate_size wide).
                 _ if granite4 => self.int("shared_intermediate_size")?.unwrap_or(1024),
-                // LFM2-MoE's dense layers are as wide as it says.
                 _ if class == Family::Lfm2 => self.lfm2_width()?,
+                // LFM2-MoE's dense layers are as wide as it says.
                 _ if lfm2 => self.int("intermediate_size")?.unwrap_or(7168),
                 (Some(d), _) => d,
                 // Qwen3.5's experts route every layer, so no dense feed-forward has a width.
@@ -3270,6 +3283,9 @@ impl Keys<'_> {
                 };
                 // The step is a softplus, never below 0: a lower bound under it bounds nothing.
                 let (lower, upper) = (bound(&limits[0])?, bound(&limits[1])?);
+                if lower == f64::INFINITY || upper == f64::NEG_INFINITY {
+                    return Err(format!("config.json: time_step_limit ({lower}, {upper}) bounds every step away"));
+                }
                 (lower.max(0.0), upper.is_finite().then_some(upper))
             }
             Some(other) => return Err(format!("config.json: time_step_limit is not a pair of numbers ({other})")),
@@ -3292,8 +3308,7 @@ impl Keys<'_> {
     /// else the layers `full_attn_idxs` names attending and the others convolving (every
     /// layer attending where neither is given, as its class has it).
     fn lfm2_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
-        let names = [("conv", LayerAttention::Linear), ("full_attention", LayerAttention::Full)];
-        if let Some(types) = self.listed_layer_kinds("layer_types", &names)? {
+        if let Some(types) = self.listed_layer_kinds("layer_types", &LFM2_LAYER_NAMES)? {
             return Ok(types);
         }
         let attending = match self.get("full_attn_idxs") {
@@ -3445,6 +3460,11 @@ impl Keys<'_> {
         .filter(|(name, _)| allowed.contains(name))
         .collect();
         self.listed_layer_kinds("layer_types", &names)
+    }
+
+    /// `layer_types`, each entry one of `names`' kinds, refused where absent.
+    fn layer_kinds_required(&self, names: &[(&str, LayerAttention)]) -> KeyResult<Vec<LayerAttention>> {
+        self.listed_layer_kinds("layer_types", names)?.ok_or_else(|| "config.json: layer_types is missing".to_string())
     }
 
     /// The list under `key`, each entry one of `names`' kinds; `None` where the key is absent
@@ -3783,12 +3803,19 @@ impl Keys<'_> {
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             ..MoeConfig::new(
-                // Mistral 4's class also takes the name the other families give the count.
-                match self.int("n_routed_experts")? {
-                    Some(n) => n,
-                    None => self.int("num_local_experts")?.filter(|_| mistral4).unwrap_or(experts),
+                // Mistral 4's class also takes the name the other families give the count, and
+                // DeepSeek-V2's its alias `num_experts` over its own.
+                match (self.int("n_routed_experts")?, self.int("num_experts")?.filter(|_| v2)) {
+                    (_, Some(n)) => n,
+                    (Some(n), None) => n,
+                    (None, None) => self.int("num_local_experts")?.filter(|_| mistral4).unwrap_or(experts),
                 },
-                self.int("num_experts_per_tok")?.unwrap_or(top_k),
+                // DeepSeek-V2's class has no count of its own: a folder names it.
+                if v2 {
+                    self.required("num_experts_per_tok")?
+                } else {
+                    self.int("num_experts_per_tok")?.unwrap_or(top_k)
+                },
                 width,
             )
         })

@@ -1808,6 +1808,13 @@ fn left_out_keys_take_each_configuration_class_defaults() {
             sizes["hidden_size_per_layer_input"] = 0.into();
         }
         // Granite 4's 128 Mamba-2 heads by default share twice the hidden size: more than 64.
+        // Keys these classes have no default for: their models cannot be built without them.
+        if model_type == "lfm2_moe" {
+            sizes["layer_types"] = serde_json::json!(["conv", "full_attention", "conv", "conv"]);
+        }
+        if model_type == "deepseek_v2" {
+            sizes["num_experts_per_tok"] = 2.into();
+        }
         if matches!(model_type, "granitemoehybrid" | "bamba") && heads == 4 {
             sizes["mamba_n_heads"] = 4.into();
         }
