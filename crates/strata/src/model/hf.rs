@@ -229,23 +229,25 @@ const LFM2_NAMES: [(&str, &str); 9] = [
     ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
     ("mlp.up_proj.weight", "feed_forward.w3.weight"),
     ("mlp.down_proj.weight", "feed_forward.w2.weight"),
-    // The one `norm.weight` left after the ones above: the final norm's.
-    ("norm.weight", "embedding_norm.weight"),
+    ("model.norm.weight", "model.embedding_norm.weight"),
 ];
+
+/// Attention on the layers `attending` lists, a recurrent mixer on the others.
+fn attending_on(attending: &[i64], layers: i64) -> Vec<LayerAttention> {
+    (0..layers).map(|i| if attending.contains(&i) { LayerAttention::Full } else { LayerAttention::Linear }).collect()
+}
 
 /// LFM2's names of its layers' kinds in `layer_types`.
 const LFM2_LAYER_NAMES: [(&str, LayerAttention); 2] =
     [("conv", LayerAttention::Linear), ("full_attention", LayerAttention::Full)];
 
 /// Bamba's names of Strata's parameters (its final norm `final_layernorm`).
-const BAMBA_NAMES: [(&str, &str); 6] = [
+const BAMBA_NAMES: [(&str, &str); 5] = [
     ("post_attention_layernorm.weight", "pre_ff_layernorm.weight"),
     ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight"),
     ("mlp.up_proj.weight", "feed_forward.up_proj.weight"),
     ("mlp.down_proj.weight", "feed_forward.down_proj.weight"),
-    // The mixers' gated norms keep their names; the one `norm.weight` left is the final norm.
-    ("mamba.norm.weight", "mamba.norm.weight"),
-    ("norm.weight", "final_layernorm.weight"),
+    ("model.norm.weight", "model.final_layernorm.weight"),
 ];
 
 const GLM4_NORMS: [(&str, &str); 3] = [
@@ -293,11 +295,12 @@ struct ClassDefaults {
 }
 
 /// `name` with its ending replaced where the first pair of `renames` (from, to) whose `from`
-/// ends it, after a dot, names it.
+/// is the whole name, or ends it after a dot, names it.
 fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>) -> String {
     renames
         .find_map(|(from, to)| {
-            let block = name.strip_suffix(from).filter(|b| b.ends_with('.'))?;
+            // A whole name, or the end of one after a dot.
+            let block = name.strip_suffix(from).filter(|b| b.is_empty() || b.ends_with('.'))?;
             Some(format!("{block}{to}"))
         })
         .unwrap_or_else(|| name.to_string())
@@ -1800,23 +1803,21 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["attn_layer_indices"] = json!(attending);
     }
     if let Some(m) = &c.state_space {
-        {
-            // A whole multiple ([`Family::cannot_write`]).
-            v["mamba_expand"] = json!(m.inner() / c.dim);
-            v["mamba_n_heads"] = json!(m.heads);
-            v["mamba_d_head"] = json!(m.head_dim);
-            v["mamba_n_groups"] = json!(m.groups);
-            v["mamba_d_state"] = json!(m.state);
-            v["mamba_d_conv"] = json!(m.conv_kernel);
-            v["mamba_chunk_size"] = json!(m.chunk);
-            v["mamba_conv_bias"] = json!(m.conv_bias);
-            v["mamba_proj_bias"] = json!(m.proj_bias);
-            // The class's default (0, infinity) left out; an unbounded step otherwise as
-            // `transformers` 5 tags infinity, which JSON has no number for.
-            if m.time_step_min != 0.0 || m.time_step_max.is_some() {
-                let max = m.time_step_max.map_or(json!({"__float__": PYTHON_INFINITY}), |max| json!(max));
-                v["time_step_limit"] = json!([m.time_step_min, max]);
-            }
+        // A whole multiple ([`Family::cannot_write`]).
+        v["mamba_expand"] = json!(m.inner() / c.dim);
+        v["mamba_n_heads"] = json!(m.heads);
+        v["mamba_d_head"] = json!(m.head_dim);
+        v["mamba_n_groups"] = json!(m.groups);
+        v["mamba_d_state"] = json!(m.state);
+        v["mamba_d_conv"] = json!(m.conv_kernel);
+        v["mamba_chunk_size"] = json!(m.chunk);
+        v["mamba_conv_bias"] = json!(m.conv_bias);
+        v["mamba_proj_bias"] = json!(m.proj_bias);
+        // The class's default (0, infinity) left out; an unbounded step otherwise as
+        // `transformers` 5 tags infinity, which JSON has no number for.
+        if m.time_step_min != 0.0 || m.time_step_max.is_some() {
+            let max = m.time_step_max.map_or(json!({"__float__": PYTHON_INFINITY}), |max| json!(max));
+            v["time_step_limit"] = json!([m.time_step_min, max]);
         }
     }
     if let Some(l) = &c.latent {
@@ -3311,17 +3312,8 @@ impl Keys<'_> {
         if let Some(types) = self.listed_layer_kinds("layer_types", &LFM2_LAYER_NAMES)? {
             return Ok(types);
         }
-        let attending = match self.get("full_attn_idxs") {
-            Some(Value::Array(indices)) => indices
-                .iter()
-                .map(|i| i.as_i64().ok_or_else(|| format!("config.json: full_attn_idxs holds {i}, not a layer")))
-                .collect::<KeyResult<Vec<i64>>>()?,
-            Some(other) => return Err(format!("config.json: full_attn_idxs is not a list ({other})")),
-            None => (0..layers).collect(),
-        };
-        Ok((0..layers)
-            .map(|i| if attending.contains(&i) { LayerAttention::Full } else { LayerAttention::Linear })
-            .collect())
+        let attending = self.layer_numbers("full_attn_idxs")?.unwrap_or_else(|| (0..layers).collect());
+        Ok(attending_on(&attending, layers))
     }
 
     /// LFM2's feed-forward width: `intermediate_size` (or `block_ff_dim`, which its class
@@ -3373,17 +3365,21 @@ impl Keys<'_> {
     /// Bamba's layer kinds: attention on the layers `attn_layer_indices` lists, a Mamba-2
     /// mixer on the others (on every layer where it lists none).
     fn bamba_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
-        let attending = match self.get("attn_layer_indices") {
-            Some(Value::Array(indices)) => indices
+        let attending = self.layer_numbers("attn_layer_indices")?.unwrap_or_default();
+        Ok(attending_on(&attending, layers))
+    }
+
+    /// The layer numbers `key` lists; `None` where it is absent (or null).
+    fn layer_numbers(&self, key: &str) -> KeyResult<Option<Vec<i64>>> {
+        match self.get(key) {
+            Some(Value::Array(list)) => list
                 .iter()
-                .map(|i| i.as_i64().ok_or_else(|| format!("config.json: attn_layer_indices holds {i}, not a layer")))
-                .collect::<KeyResult<Vec<i64>>>()?,
-            Some(other) => return Err(format!("config.json: attn_layer_indices is not a list ({other})")),
-            None => vec![],
-        };
-        Ok((0..layers)
-            .map(|i| if attending.contains(&i) { LayerAttention::Full } else { LayerAttention::Linear })
-            .collect())
+                .map(|l| l.as_i64().ok_or_else(|| format!("config.json: {key} holds {l}, not a layer number")))
+                .collect::<KeyResult<Vec<i64>>>()
+                .map(Some),
+            Some(other) => Err(format!("config.json: {key} is not a list ({other})")),
+            None => Ok(None),
+        }
     }
 
     /// Granite 4's layer kinds (`layer_types`, or `layers_block_type`, which its class reads
@@ -3582,15 +3578,9 @@ impl Keys<'_> {
         };
         let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3VlMoe | Family::Qwen3Next);
         let minimax = family == Family::MiniMaxM2;
-        let dense_layers = match self.get("mlp_only_layers").filter(|_| qwen) {
-            Some(Value::Array(layers)) => layers
-                .iter()
-                .map(|l| {
-                    l.as_i64().ok_or_else(|| format!("config.json: mlp_only_layers holds {l}, not a layer number"))
-                })
-                .collect::<KeyResult<Vec<i64>>>()?,
-            Some(other) => return Err(format!("config.json: mlp_only_layers is not a list ({other})")),
-            None => vec![],
+        let dense_layers = match qwen {
+            true => self.layer_numbers("mlp_only_layers")?.unwrap_or_default(),
+            false => vec![],
         };
         let shared_expert_dim = match family {
             // Each configuration class's default where the key is absent.
@@ -3642,16 +3632,12 @@ impl Keys<'_> {
     /// (its class has none).
     fn llama4_experts(&self) -> KeyResult<MoeConfig> {
         let layers = self.required("num_hidden_layers")?;
-        let sparse: Vec<i64> = match self.get("moe_layers") {
-            Some(Value::Array(list)) => list
-                .iter()
-                .map(|l| l.as_i64().ok_or_else(|| format!("config.json: moe_layers holds {l}, not a layer number")))
-                .collect::<KeyResult<_>>()?,
-            Some(Value::Null) | None => {
+        let sparse: Vec<i64> = match self.layer_numbers("moe_layers")? {
+            Some(listed) => listed,
+            None => {
                 let step = self.int("interleave_moe_layer_step")?.unwrap_or(1).max(1);
                 (step - 1..layers).step_by(step as usize).collect()
             }
-            Some(other) => return Err(format!("config.json: moe_layers is not a list ({other})")),
         };
         let width = self.required("intermediate_size")?;
         Ok(MoeConfig {

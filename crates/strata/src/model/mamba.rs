@@ -163,9 +163,9 @@ impl Mamba2 {
         let projected = p.linear(h, self.in_proj.0, self.in_proj.1)?;
         let parts = projected.f_split_with_sizes([c.inner(), c.conv_channels(), c.heads], -1)?;
         let [z, mut mixed, dt] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("in_proj split".into()))?;
-        let keep = keep.map(|k| k.f_unsqueeze(-1)).transpose()?;
+        let keep = keep.map(|k| k.f_unsqueeze(-1)?.f_to_kind(mixed.kind())).transpose()?;
         if let Some(keep) = &keep {
-            mixed = mixed.f_mul(&keep.f_to_kind(mixed.kind())?)?;
+            mixed = mixed.f_mul(keep)?;
         }
         let recurrent = cache.as_ref().and_then(|c| c.recurrent());
         let initial = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
@@ -173,7 +173,7 @@ impl Mamba2 {
         let (convolved, kept) = causal_conv(&mixed, &p[self.conv.0], conv_bias, recurrent.map(|r| &r.conv))?;
         let mut convolved = convolved.f_silu()?;
         if let Some(keep) = &keep {
-            convolved = convolved.f_mul(&keep.f_to_kind(convolved.kind())?)?;
+            convolved = convolved.f_mul(keep)?;
         }
         let group_width = c.groups * c.state;
         let x = convolved.f_narrow(-1, 0, c.inner())?.f_view([b, t, c.heads, c.head_dim])?;
