@@ -4337,6 +4337,47 @@ mod tests {
         }
     }
 
+    /// Older keys the classes read over the newer ones, and the options Strata refuses by
+    /// name rather than reading otherwise than the classes do.
+    #[test]
+    fn older_keys_win_and_unread_options_are_named() {
+        let lfm2 = read(
+            Family::Lfm2,
+            json!({"tie_word_embeddings": true, "tie_embedding": false, "block_ff_dim": 96,
+                   "block_auto_adjust_ff_dim": false, "layer_types": ["conv", "full_attention", "conv"]}),
+        )
+        .unwrap();
+        assert_eq!((lfm2.tie_embeddings, lfm2.ffn_dim), (false, Some(96)));
+        let granite = read(
+            Family::GraniteMoeHybrid,
+            json!({"num_local_experts": 0, "mamba_n_heads": 4, "layer_types": ["attention", "attention", "attention"],
+                   "layers_block_type": ["mamba", "attention", "mamba"]}),
+        )
+        .unwrap();
+        assert_eq!((0..3).map(|l| granite.is_linear(l)).collect::<Vec<_>>(), [true, false, true]);
+        let v2 = read(Family::DeepseekV2, json!({"num_experts": 6, "n_routed_experts": 4, "num_experts_per_tok": 2}));
+        assert_eq!(v2.unwrap().moe.map(|m| m.experts), Some(6));
+        let refused = [
+            (Family::DeepseekV2, json!({}), "num_experts_per_tok is missing"),
+            (
+                Family::DeepseekV2,
+                json!({"num_experts_per_tok": 2, "topk_method": "group_limited_greedy"}),
+                "group-limited choice is not supported",
+            ),
+            (Family::Bamba, json!({"mamba_n_heads": 4, "z_loss_coefficient": 0.1}), "z-loss"),
+            (Family::Lfm2Moe, json!({"num_experts": 4, "num_experts_per_tok": 2}), "layer_types is missing"),
+            (
+                Family::GraniteMoeHybrid,
+                json!({"num_local_experts": 0, "mamba_n_heads": 4, "time_step_limit": ["Infinity", 1.0]}),
+                "bounds every step away",
+            ),
+        ];
+        for (family, keys, why) in refused {
+            let error = read(family, keys).unwrap_err();
+            assert!(error.contains(why), "{family:?}: {error}");
+        }
+    }
+
     /// `mrope` is the default rotation for Qwen2.5-VL's language model alone, as in
     /// `transformers`; another family naming it is refused.
     #[test]
