@@ -513,6 +513,19 @@ def decoder_families():
             rope_parameters={"rope_type": "default", "rope_theta": 500.0}, mamba_n_heads=8, mamba_n_groups=1,
             mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
             time_step_limit=(0.0, 1.2))),
+        # Nemotron-H (Nemotron 3 Nano's kinds of layer): each layer one sub-layer behind its
+        # norm. Mamba-2 mixers (four heads in two groups, chunks of 8, biases on their
+        # projections, the step bounded below at 0.01) on two layers; attention turning no
+        # position on one; a ReLU² feed-forward without a gate on one; and on two, four
+        # ReLU² experts in two groups, two per token from the best group, chosen by sigmoid
+        # scores plus a choice bias and weighted renormalised times 1.5, beside a shared one.
+        "nemotron-h": lambda: (tf.NemotronHForCausalLM, tf.NemotronHConfig(
+            **dict(common, head_dim=8),
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+            mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8,
+            use_conv_bias=True, use_bias=True, time_step_min=0.01, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=24, moe_shared_expert_intermediate_size=20, routed_scaling_factor=1.5,
+            n_group=2, topk_group=1, tie_word_embeddings=False)),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers
@@ -642,9 +655,10 @@ def build(family, seed):
                 # A Mamba-2 convolution's and projection's biases (and LFM2's projection's)
                 # is what a padded position would write into the state: drawn large, and
                 # Mamba-2's state kept long, so that writing it shows.
-                if name.endswith("mamba.A_log"):
+                if name.endswith(("mamba.A_log", "mixer.A_log")):
                     p.copy_(torch.empty_like(p).uniform_(0.05, 0.3).log())
-                if name.endswith(("mamba.conv1d.bias", "mamba.in_proj.bias", "conv.in_proj.bias")):
+                if name.endswith(("mamba.conv1d.bias", "mamba.in_proj.bias", "conv.in_proj.bias",
+                                  "mixer.conv1d.bias", "mixer.in_proj.bias")):
                     p.normal_(0.0, 2.0)
             # The choice bias is a buffer: draw it so that it changes which experts are chosen.
             # Gemma 4's block scalars are buffers too, stored and never trained; ERNIE 4.5 keeps

@@ -269,8 +269,8 @@ pub fn expert_placement(
     size: usize,
 ) -> Result<Option<ExpertPlacement>> {
     let Some(first) = spec.expert_sets.first() else { return Ok(None) };
-    let experts = first.gate.len() as i64;
-    if size == 0 || !spec.expert_sets.iter().all(|s| s.gate.len().is_multiple_of(size)) {
+    let experts = first.up.len() as i64;
+    if size == 0 || !spec.expert_sets.iter().all(|s| s.up.len().is_multiple_of(size)) {
         return Err(Error::Config(format!("expert_parallel: {experts} experts do not split over {size} ranks")));
     }
     let tokens = (work.micro_batch as i64 * work.ctx) as f64 * work.micro_batches as f64;
@@ -292,7 +292,7 @@ pub(crate) fn expert_slot_bytes(spec: &ModelSpec, tokens: f64, precision: Precis
     spec.expert_sets
         .iter()
         .map(|set| {
-            let width = set.gate.first().map_or(0, |g| spec.params[g.0].shape[1]);
+            let width = set.up.first().map_or(0, |u| spec.params[u.0].shape[1]);
             tokens * (set.top_k * width) as f64 * element
         })
         .sum()

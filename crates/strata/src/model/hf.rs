@@ -135,6 +135,11 @@ pub enum Family {
     /// `layer_types` marks (the others attention, turning positions or none), and on every
     /// layer its `shared_mlp`, beside Granite-MoE's experts where it has experts.
     GraniteMoeHybrid,
+    /// Nemotron-H (`nemotron_h`): each layer one sub-layer behind its norm, of the kind
+    /// `layers_block_type` names: a Mamba-2 mixer, attention turning no position, a ReLU²
+    /// feed-forward without a gate, or experts without a gate chosen as DeepSeek-V3 chooses
+    /// them beside a shared one; under its own names (`backbone.`, each layer's `mixer`).
+    NemotronH,
     /// Llama 4's language model (`llama4_text`): heads turned as adjacent pairs on three
     /// layers of four, attending within chunks there, their queries and keys normed without
     /// a weight; the others turning no position, their queries scaled up with it; experts
@@ -309,7 +314,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 52] = [
+const FAMILIES: [Family; 53] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -339,6 +344,7 @@ const FAMILIES: [Family; 52] = [
     Family::Granite,
     Family::GraniteMoe,
     Family::GraniteMoeHybrid,
+    Family::NemotronH,
     Family::Lfm2,
     Family::Lfm2Moe,
     Family::Bamba,
@@ -413,6 +419,7 @@ impl Family {
             Family::Glm4MoeLite => "glm4_moe_lite",
             Family::Mistral4 => "mistral4",
             Family::DeepseekV2 => "deepseek_v2",
+            Family::NemotronH => "nemotron_h",
             Family::Glm4Moe => "glm4_moe",
             Family::GptOss => "gpt_oss",
             Family::Qwen3Next => "qwen3_next",
@@ -466,6 +473,7 @@ impl Family {
             Family::Granite => "Granite",
             Family::GraniteMoe => "GraniteMoe",
             Family::GraniteMoeHybrid => "GraniteMoeHybrid",
+            Family::NemotronH => "NemotronH",
             Family::Lfm2 => "Lfm2",
             Family::Bamba => "Bamba",
             Family::Lfm2Moe => "Lfm2Moe",
@@ -512,6 +520,7 @@ impl Family {
                 | Family::Granite
                 | Family::GraniteMoe
                 | Family::GraniteMoeHybrid
+                | Family::NemotronH
                 | Family::Lfm2
                 | Family::Lfm2Moe
                 | Family::Bamba
@@ -550,7 +559,7 @@ impl Family {
                 MiniMaxM2 => 196_608,
                 Glm4MoeLite => 202_752,
                 Apertus => 65_536,
-                Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron => 4096,
+                Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron | NemotronH => 4096,
                 Cohere | Cohere2 => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
@@ -561,7 +570,7 @@ impl Family {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba => 1e-5,
+                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba | NemotronH => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -575,7 +584,7 @@ impl Family {
             },
             head_dim: match self {
                 Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
-                Qwen3 | Qwen3Vl | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 | MiniMaxM2 => Some(128),
+                Qwen3 | Qwen3Vl | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 | MiniMaxM2 | NemotronH => Some(128),
                 GptOss => Some(64),
                 _ => None,
             },
@@ -590,7 +599,7 @@ impl Family {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2
-                | Lfm2Moe | Bamba => Some(8),
+                | Lfm2Moe | Bamba | NemotronH => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
                 _ => None,
@@ -611,6 +620,7 @@ impl Family {
         match self {
             Family::Cohere | Family::Cohere2 => "layer_norm_eps",
             Family::Starcoder2 => "norm_epsilon",
+            Family::NemotronH => "layer_norm_epsilon",
             Family::Nemotron | Family::Lfm2 | Family::Lfm2Moe => "norm_eps",
             _ => "rms_norm_eps",
         }
@@ -722,7 +732,7 @@ impl Family {
     }
 
     /// The family a built-in model is written as, by the options it uses, the first that
-    /// applies: GPT as GPT-2; Granite 4 (its `shared_mlp`); Bamba (Mamba-2 mixers without
+    /// applies: GPT as GPT-2; Nemotron-H (blocks of one sub-layer); Granite 4 (its `shared_mlp`); Bamba (Mamba-2 mixers without
     /// experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V2 (latent attention with softmax
@@ -757,6 +767,9 @@ impl Family {
         };
         if c.latent.is_some() && c.moe.is_none() {
             return Err(Error::Config("latent attention without experts has no family to be written as".into()));
+        }
+        if c.mixer_alone {
+            return Ok(Family::NemotronH);
         }
         if c.shared_mlp {
             return Ok(Family::GraniteMoeHybrid);
@@ -826,10 +839,17 @@ impl Family {
 
     /// What of `config` this family's files cannot say, if anything.
     fn cannot_write(self, c: &LlamaConfig) -> Option<String> {
+        if self == Family::NemotronH {
+            return nemotron_h_cannot_hold(c).map(|what| format!("a nemotron_h model cannot hold {what}"));
+        }
         let gemma = self.is_gemma();
         let olmoe = self == Family::Olmoe;
         let moe = c.moe.as_ref();
+        let single =
+            c.mixer_alone || c.layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::FeedForwardOnly));
         let experts = [
+            (single, "layers of one sub-layer (a mixer or a feed-forward alone)"),
+            (moe.is_some_and(|m| !m.activation.gated()), "experts without a gate"),
             // Gemma 4's and Granite 4's experts are an option of their layers.
             (
                 moe.is_some() != self.has_experts() && !matches!(self, Family::Gemma4 | Family::GraniteMoeHybrid),
@@ -1325,6 +1345,9 @@ impl Family {
     /// The name a family's files give a Strata parameter, and whether they hold its matrix
     /// transposed.
     pub fn hf_name(self, name: &str) -> (String, bool) {
+        if self == Family::NemotronH {
+            return (nemotron_h_name(name), false);
+        }
         let transposed = self == Family::Gpt2 && CONV1D_WEIGHTS.iter().any(|w| name.ends_with(w));
         (renamed(name, self.renames()), transposed)
     }
@@ -1372,6 +1395,9 @@ impl Family {
     /// `name` as the family's files give it, with the parts the family names otherwise
     /// renamed to Strata's (its stacked experts' names among them, before `io` takes them apart).
     pub(crate) fn renamed_from_disk(self, name: &str) -> String {
+        if self == Family::NemotronH {
+            return strata_name_of_nemotron_h(name);
+        }
         renamed(name, self.renames().map(|(strata, hf)| (hf, strata)))
     }
 
@@ -1544,8 +1570,182 @@ fn dense_layers_lead(m: &MoeConfig) -> bool {
     m.dense_layers.iter().enumerate().all(|(i, &l)| l == i as i64)
 }
 
+/// Nemotron-H's modules under a layer's `mixer`, by their first name: attention's, and the
+/// Mamba-2 mixer's; the others are the feed-forward's and the experts'.
+const NEMOTRON_H_ATTENTION: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
+const NEMOTRON_H_MAMBA: [&str; 7] = ["in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj"];
+
+/// Nemotron-H's names of Strata's embedding and final norm.
+const NEMOTRON_H_WHOLE: [(&str, &str); 2] =
+    [("model.embed_tokens.weight", "backbone.embeddings.weight"), ("model.norm.weight", "backbone.norm_f.weight")];
+
+/// A Strata parameter's name in Nemotron-H's files: under `backbone.`, each layer's norm
+/// `norm` and its one sub-layer (attention, Mamba-2 mixer, feed-forward or experts) `mixer`.
+fn nemotron_h_name(name: &str) -> String {
+    if let Some((_, hf)) = NEMOTRON_H_WHOLE.iter().find(|(strata, _)| *strata == name) {
+        return hf.to_string();
+    }
+    let Some((layer, rest)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) else {
+        return name.to_string();
+    };
+    let (module, tail) = rest.split_once('.').unwrap_or((rest, ""));
+    let module = match module {
+        "input_layernorm" => "norm",
+        "self_attn" | "mamba" | "mlp" => "mixer",
+        other => other,
+    };
+    format!("backbone.layers.{layer}.{module}.{tail}")
+}
+
+/// The Strata parameter a name of Nemotron-H's files (under `backbone.`, or `model.` as
+/// `transformers` holds them) names: a `mixer`'s module tells which sub-layer it is.
+fn strata_name_of_nemotron_h(name: &str) -> String {
+    let Some(bare) = name.strip_prefix("backbone.").or(name.strip_prefix("model.")) else {
+        return name.to_string();
+    };
+    if let Some((strata, _)) = NEMOTRON_H_WHOLE.iter().find(|(_, hf)| hf.strip_prefix("backbone.") == Some(bare)) {
+        return strata.to_string();
+    }
+    let Some((layer, rest)) = bare.strip_prefix("layers.").and_then(|r| r.split_once('.')) else {
+        return name.to_string();
+    };
+    let (module, tail) = rest.split_once('.').unwrap_or((rest, ""));
+    let first = tail.split('.').next().unwrap_or_default();
+    let module = match module {
+        "norm" => "input_layernorm",
+        "mixer" if NEMOTRON_H_ATTENTION.contains(&first) => "self_attn",
+        "mixer" if NEMOTRON_H_MAMBA.contains(&first) => "mamba",
+        "mixer" => "mlp",
+        other => other,
+    };
+    format!("model.layers.{layer}.{module}.{tail}")
+}
+
+/// What of `c` Nemotron-H's files cannot say, if anything.
+fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
+    let attending = (0..c.layers).filter(|&l| c.has_mixer(l as usize) && !c.is_linear(l as usize));
+    let experts_fit = c.moe.as_ref().is_none_or(|m| {
+        m.names == ExpertNames::Mlp
+            && m.scoring == Scoring::Sigmoid
+            && m.choice_bias
+            && m.shared_expert_dim.is_some()
+            && !m.shared_gate
+            && m.activation == ExpertActivation::UngatedRelu2
+            && m.aux_loss_coef == 0.0
+            && m.z_loss_coef == 0.0
+            && m.norm_topk_epsilon == 1e-20
+            && m.sparse_step == 1
+            && !(m.router_bias
+                || m.expert_bias
+                || m.router_norm
+                || m.expert_scales
+                || m.beside_dense
+                || m.scale_inputs
+                || m.balance_over_softmax)
+    });
+    [
+        (!c.mixer_alone, "layers of both a mixer and a feed-forward"),
+        (c.norm != NormKind::Weighted || c.norm_bias, "norms other than RMS norms"),
+        (
+            c.activation != Activation::Relu2 || c.fc_names || c.fused_projections || c.fused_gate_up,
+            "a feed-forward other than ReLU² without a gate",
+        ),
+        (
+            c.qkv_bias
+                || c.o_bias
+                || c.qk_norm
+                || c.clip_qkv.is_some()
+                || c.attention_sinks
+                || c.attention_output_gate
+                || c.value_norm
+                || c.full_layer_heads.is_some()
+                || c.latent.is_some(),
+            "attention other than grouped heads without biases or norms",
+        ),
+        (
+            attending.clone().any(|l| c.rotates(l)) || c.query_scaling.is_some() || c.qk_l2_norm,
+            "attention that turns positions",
+        ),
+        (
+            c.sliding_window.is_some()
+                || c.attention_chunk.is_some()
+                || c.attn_softcap.is_some()
+                || c.logit_softcap.is_some()
+                || c.query_pre_attn_scalar.is_some(),
+            "windows, chunks, soft-capping or other score scales",
+        ),
+        (c.linear_attention.is_some() || c.short_conv.is_some() || c.shared_mlp, "mixers other than Mamba-2"),
+        (c.state_space.as_ref().is_some_and(|m| m.time_step_max.is_some()), "a step bounded above"),
+        (
+            c.multipliers.is_some() || c.scale_embeddings || c.logit_scale.is_some() || c.padding_token.is_some(),
+            "scaled embeddings or logits, or an untrained padding row",
+        ),
+        (c.dropout.residual > 0.0 || c.dropout.embedding > 0.0, "dropout other than the attention's"),
+        (
+            !experts_fit,
+            "experts other than its own (sigmoid scores with a choice bias, a shared expert, ReLU² without a \
+             gate, no load-balancing loss)",
+        ),
+    ]
+    .into_iter()
+    .find_map(|(bad, what)| bad.then_some(what))
+}
+
+/// Nemotron-H's `config.json` keys of `c` (checked by [`nemotron_h_cannot_hold`]).
+fn nemotron_h_json(c: &LlamaConfig) -> Value {
+    let kinds: Vec<&str> = (0..c.layers as usize)
+        .map(|l| match () {
+            _ if c.is_linear(l) => "linear_attention",
+            _ if c.has_mixer(l) => "full_attention",
+            _ if c.moe.as_ref().is_some_and(|m| m.is_sparse(l as i64)) => "moe",
+            _ => "mlp",
+        })
+        .collect();
+    let mut v = json!({
+        "vocab_size": c.vocab,
+        "hidden_size": c.dim,
+        "layers_block_type": kinds,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": c.key_value_heads(),
+        "head_dim": c.head_width(),
+        "max_position_embeddings": c.ctx,
+        "intermediate_size": c.hidden(),
+        "mlp_hidden_act": "relu2",
+        "mlp_bias": c.mlp_bias,
+        "layer_norm_epsilon": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": c.dropout.attention,
+    });
+    if let Some(m) = &c.state_space {
+        v["mamba_num_heads"] = json!(m.heads);
+        v["mamba_head_dim"] = json!(m.head_dim);
+        v["n_groups"] = json!(m.groups);
+        v["ssm_state_size"] = json!(m.state);
+        v["conv_kernel"] = json!(m.conv_kernel);
+        v["chunk_size"] = json!(m.chunk);
+        v["use_conv_bias"] = json!(m.conv_bias);
+        v["use_bias"] = json!(m.proj_bias);
+        v["time_step_min"] = json!(m.time_step_min);
+    }
+    if let Some(m) = &c.moe {
+        v["n_routed_experts"] = json!(m.experts);
+        v["num_experts_per_tok"] = json!(m.top_k);
+        v["moe_intermediate_size"] = json!(m.expert_ffn_dim);
+        v["moe_shared_expert_intermediate_size"] = json!(m.shared_expert_dim);
+        v["n_shared_experts"] = json!(1);
+        v["routed_scaling_factor"] = json!(m.routed_scale);
+        v["n_group"] = json!(m.groups);
+        v["topk_group"] = json!(m.top_groups);
+        v["norm_topk_prob"] = json!(m.norm_topk);
+    }
+    v
+}
+
 /// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
 fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
+    if family == Family::NemotronH {
+        return nemotron_h_json(c);
+    }
     // Dynamic scaling reads the context it was trained at from max_position_embeddings.
     let max_positions = match c.rope_scaling {
         RopeScaling::Dynamic { original_context, .. } => original_context,
@@ -2810,6 +3010,9 @@ impl Keys<'_> {
     /// that it cannot honour are refused by name.
     fn decoder(&self, family: Family) -> KeyResult<LlamaConfig> {
         let head = self.decoder_head(family)?;
+        if family == Family::NemotronH {
+            return self.nemotron_h(head);
+        }
         let moe = self.experts(family)?;
         let olmoe = family == Family::Olmoe;
         let olmo = family.is_olmo();
@@ -3302,6 +3505,152 @@ impl Keys<'_> {
             proj_bias: self.flag("mamba_proj_bias")?.unwrap_or(false),
             time_step_min,
             time_step_max,
+        })
+    }
+
+    /// Nemotron-H's decoder: each layer one sub-layer behind its norm; attention turning no
+    /// position and without biases; Mamba-2 mixers; ReLU² feed-forwards and experts without
+    /// a gate (with its class's defaults).
+    fn nemotron_h(&self, head: DecoderHead) -> KeyResult<LlamaConfig> {
+        self.only("mlp_hidden_act", &[json!("relu2")], "its feed-forwards and experts run relu2 without a gate")?;
+        self.only("mamba_hidden_act", &[json!("silu")], "its Mamba-2 convolutions run silu")?;
+        self.only("moe_latent_size", &[Value::Null], "experts over a latent projection are not supported")?;
+        let kinds = self.nemotron_h_kinds()?;
+        let layers = kinds.len() as i64;
+        let heads = self.required("num_attention_heads")?;
+        let layer_types = kinds
+            .iter()
+            .map(|kind| match *kind {
+                "linear_attention" => LayerAttention::Linear,
+                "full_attention" => LayerAttention::Full,
+                _ => LayerAttention::FeedForwardOnly,
+            })
+            .collect();
+        let state_space = match kinds.contains(&"linear_attention") {
+            true => Some(self.nemotron_h_state_space()?),
+            false => None,
+        };
+        let moe = match kinds.contains(&"moe") {
+            true => Some(self.nemotron_h_experts(&kinds)?),
+            false => None,
+        };
+        Ok(LlamaConfig {
+            ffn_dim: Some(self.int("intermediate_size")?.unwrap_or(21504)),
+            // Its class gives one key/value head per query head where the key is null.
+            kv_heads: Some(match self.cfg.contains_key("num_key_value_heads") {
+                true => self.int("num_key_value_heads")?.unwrap_or(heads),
+                false => 8,
+            }),
+            head_dim: Some(self.int("head_dim")?.unwrap_or(128)),
+            norm_eps: self.float("layer_norm_epsilon")?.unwrap_or(1e-5),
+            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(false),
+            mlp_bias: self.flag("mlp_bias")?.unwrap_or(false),
+            activation: Activation::Relu2,
+            unrotated_layers: (0..layers).collect(),
+            layer_types: Some(layer_types),
+            mixer_alone: true,
+            state_space,
+            moe,
+            dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, ..DropoutRates::NONE },
+            head,
+            ..LlamaConfig::new(
+                self.required("vocab_size")?,
+                self.int("max_position_embeddings")?.unwrap_or(4096),
+                layers,
+                heads,
+                self.required("hidden_size")?,
+            )
+        })
+    }
+
+    /// Nemotron-H's layer kinds (`linear_attention`, `full_attention`, `mlp` or `moe`):
+    /// `layers_block_type` (or its alias `layer_types`, with the older `mamba` and
+    /// `attention`), else the older `hybrid_override_pattern` (`M`, `*`, `-` and `E`), else
+    /// its class's four layers.
+    fn nemotron_h_kinds(&self) -> KeyResult<Vec<&'static str>> {
+        const NAMES: [(&str, &str); 6] = [
+            ("linear_attention", "linear_attention"),
+            ("mamba", "linear_attention"),
+            ("full_attention", "full_attention"),
+            ("attention", "full_attention"),
+            ("mlp", "mlp"),
+            ("moe", "moe"),
+        ];
+        const PATTERN: [(char, &str); 4] =
+            [('M', "linear_attention"), ('*', "full_attention"), ('-', "mlp"), ('E', "moe")];
+        for key in ["layers_block_type", "layer_types"] {
+            match self.get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(kinds)) => {
+                    let read = |kind: &Value| {
+                        let named = NAMES.iter().find(|(name, _)| kind.as_str() == Some(*name));
+                        named.map(|(_, canonical)| *canonical).ok_or_else(|| {
+                            format!("config.json: {key} holds {kind}, not linear_attention, full_attention, mlp or moe")
+                        })
+                    };
+                    return kinds.iter().map(read).collect();
+                }
+                Some(other) => return Err(format!("config.json: {key} is not a list ({other})")),
+            }
+        }
+        match self.text("hybrid_override_pattern")? {
+            Some(pattern) => pattern
+                .chars()
+                .map(|c| {
+                    let named = PATTERN.iter().find(|(letter, _)| *letter == c);
+                    named.map(|(_, kind)| *kind).ok_or_else(|| {
+                        format!("config.json: hybrid_override_pattern holds {c:?}, not one of M, *, - and E")
+                    })
+                })
+                .collect(),
+            None => Ok(vec!["linear_attention", "moe", "full_attention", "mlp"]),
+        }
+    }
+
+    /// Nemotron-H's Mamba-2 sizes, the older `mamba_`-named keys read over the newer ones
+    /// as its class reads them; the step bounded below at `time_step_min` and never above,
+    /// as its mixers bound it whatever `time_step_limit` says.
+    fn nemotron_h_state_space(&self) -> KeyResult<StateSpaceConfig> {
+        let key = |older: &'static str, newer: &'static str| if self.cfg.contains_key(older) { older } else { newer };
+        Ok(StateSpaceConfig {
+            heads: self.int("mamba_num_heads")?.unwrap_or(128),
+            head_dim: self.int("mamba_head_dim")?.unwrap_or(64),
+            groups: self.int(key("mamba_n_groups", "n_groups"))?.unwrap_or(8),
+            state: self.int("ssm_state_size")?.unwrap_or(128),
+            conv_kernel: self.int(key("mamba_d_conv", "conv_kernel"))?.unwrap_or(4),
+            chunk: self.int(key("mamba_chunk_size", "chunk_size"))?.unwrap_or(128),
+            conv_bias: self.flag(key("mamba_conv_bias", "use_conv_bias"))?.unwrap_or(true),
+            proj_bias: self.flag("use_bias")?.unwrap_or(false),
+            time_step_min: self.float(key("mamba_dt_min", "time_step_min"))?.unwrap_or(0.001).max(0.0),
+            time_step_max: None,
+        })
+    }
+
+    /// Nemotron-H's experts on its `moe` layers: `num_experts_per_tok` of `n_routed_experts`
+    /// (2 of 8 by default), ReLU² without a gate, chosen by sigmoid scores plus the choice
+    /// bias within groups as DeepSeek-V3 chooses, weighted by the renormalised scores times
+    /// `routed_scaling_factor`, beside one shared expert; its class has no load-balancing loss.
+    fn nemotron_h_experts(&self, kinds: &[&str]) -> KeyResult<MoeConfig> {
+        let experts = match self.int("n_routed_experts")? {
+            Some(n) => n,
+            None => self.int("num_local_experts")?.unwrap_or(8),
+        };
+        Ok(MoeConfig {
+            norm_topk: self.flag("norm_topk_prob")?.unwrap_or(true),
+            shared_expert_dim: Some(self.int("moe_shared_expert_intermediate_size")?.unwrap_or(7688)),
+            shared_gate: false,
+            scoring: Scoring::Sigmoid,
+            choice_bias: true,
+            groups: self.int("n_group")?.unwrap_or(1),
+            top_groups: self.int("topk_group")?.unwrap_or(1),
+            routed_scale: self.float("routed_scaling_factor")?.unwrap_or(1.0),
+            activation: ExpertActivation::UngatedRelu2,
+            dense_layers: (0..kinds.len()).filter(|&l| kinds[l] != "moe").map(|l| l as i64).collect(),
+            ..MoeConfig::new(
+                experts,
+                self.int("num_experts_per_tok")?.unwrap_or(2),
+                self.int("moe_intermediate_size")?.unwrap_or(7688),
+            )
         })
     }
 

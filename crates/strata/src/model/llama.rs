@@ -112,6 +112,9 @@ pub enum LayerAttention {
     /// The earlier positions of the query's own chunk: positions fall into chunks of
     /// `attention_chunk` by their place in the row (Llama 4's chunked attention).
     Chunked,
+    /// No token mixer: the block is its feed-forward alone, behind its input norm
+    /// (Nemotron-H's `mlp` and `moe` layers).
+    FeedForwardOnly,
 }
 
 /// The heads of the full-attention layers where they differ from the sliding layers' (Gemma
@@ -312,6 +315,11 @@ pub struct LlamaConfig {
     /// layers), in place of [`LlamaConfig::linear_attention`].
     #[serde(default)]
     pub short_conv: Option<ShortConvConfig>,
+    /// Each block with a token mixer has no feed-forward: every layer is one sub-layer behind
+    /// its input norm, its mixer or (on the layers `layer_types` marks `feed_forward_only`)
+    /// its feed-forward (Nemotron-H).
+    #[serde(default)]
+    pub mixer_alone: bool,
     /// Granite 4's feed-forward: one gated network named `shared_mlp` (`input_linear`, the
     /// gate's rows before the up's, and `output_linear`), `ffn_dim` wide, the only one of a
     /// dense model and summed with the experts' output beside experts, without norms.
@@ -412,6 +420,7 @@ impl LlamaConfig {
             linear_attention: None,
             state_space: None,
             short_conv: None,
+            mixer_alone: false,
             shared_mlp: false,
             attention_output_gate: false,
             latent: None,
@@ -461,6 +470,18 @@ impl LlamaConfig {
     pub fn is_linear(&self, layer: usize) -> bool {
         self.recurrent_mixers() > 0
             && self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Linear))
+    }
+
+    /// Whether layer `layer` mixes positions (every layer but those `layer_types` marks
+    /// [`LayerAttention::FeedForwardOnly`]).
+    pub fn has_mixer(&self, layer: usize) -> bool {
+        self.layer_types.as_ref().is_none_or(|t| t.get(layer) != Some(&LayerAttention::FeedForwardOnly))
+    }
+
+    /// Whether layer `layer` has a feed-forward (every layer but those with a mixer where
+    /// [`LlamaConfig::mixer_alone`] is set).
+    pub fn has_feed_forward(&self, layer: usize) -> bool {
+        !self.mixer_alone || !self.has_mixer(layer)
     }
 
     /// How many kinds of recurrent mixer the configuration sizes (one at most is valid).
@@ -538,6 +559,24 @@ impl LlamaConfig {
         }
         if self.parallel_block && (self.sandwich_norms || self.post_norms) {
             return Err(Error::Config("a parallel block has its input norm alone".into()));
+        }
+        let single =
+            self.mixer_alone || self.layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::FeedForwardOnly));
+        if single && (self.parallel_block || self.sandwich_norms || self.post_norms || self.layer_scalar) {
+            return Err(Error::Config(
+                "a block of one sub-layer has its input norm alone: no parallel block, post norms or scalar".into(),
+            ));
+        }
+        // With a mixer alone on every layer `layer_types` does not mark, experts need it.
+        let layers_with_feed_forward = self.layer_types.as_ref().map_or(0, Vec::len);
+        if let Some(moe) = self.moe.as_ref().filter(|_| self.mixer_alone) {
+            let listed = (0..layers_with_feed_forward as i64).filter(|&l| moe.is_sparse(l));
+            if let Some(l) = listed.clone().find(|&l| !self.has_feed_forward(l as usize)) {
+                return Err(Error::Config(format!("layer {l} is its mixer alone: it has no experts")));
+            }
+            if listed.count() == 0 {
+                return Err(Error::Config("experts take layers that layer_types marks feed_forward_only".into()));
+            }
         }
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
@@ -1017,12 +1056,14 @@ impl Recurrent {
 struct LlamaBlock {
     /// Norm of the attention's input (none with post norms alone).
     input_norm: Option<Norm>,
-    mixer: Mixer,
+    /// `None`: the block is its feed-forward alone ([`LayerAttention::FeedForwardOnly`]).
+    mixer: Option<Mixer>,
     /// Norm of the attention's output before the residual add (sandwich or post norms).
     post_attention_norm: Option<Norm>,
     /// Norm of the feed-forward's input (none with post norms alone).
     feed_forward_norm: Option<Norm>,
-    feed_forward: FeedForward,
+    /// `None`: the block is its mixer alone ([`LlamaConfig::mixer_alone`]).
+    feed_forward: Option<FeedForward>,
     post_feed_forward_norm: Option<Norm>,
     heads: i64,
     kinds: Kinds,
@@ -1047,7 +1088,7 @@ impl Unit for LlamaBlock {
         self.run(p, x, Some(cache))
     }
     fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
-        if let Mixer::Linear(_) = self.mixer {
+        if let Some(Mixer::Linear(_)) = self.mixer {
             return Err(Error::Config(
                 "linear attention's state runs along the whole row: it does not split over context ranks".into(),
             ));
@@ -1057,11 +1098,11 @@ impl Unit for LlamaBlock {
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
         divides_heads(tp, "heads", self.heads)?;
         match &self.mixer {
-            Mixer::Linear(_) if tp > 1 => {
+            Some(Mixer::Linear(_)) if tp > 1 => {
                 Err(Error::Config("linear attention does not split over tensor ranks".into()))
             }
-            Mixer::Linear(_) => Ok(()),
-            Mixer::Attention(a) => match &a.inputs {
+            Some(Mixer::Linear(_)) | None => Ok(()),
+            Some(Mixer::Attention(a)) => match &a.inputs {
                 HeadInputs::Grouped(g) if g.qk_norm_whole && g.kinds.norm != NormKind::Weighted && tp > 1 => {
                     Err(Error::Config(
                         "query/key norms over whole projections split over tensor ranks as RMS norms alone".into(),
@@ -1204,8 +1245,68 @@ impl LlamaBlock {
             Some(n) => self.kinds.norm_into_product(p, x, n)?,
             None => x.shallow_clone(),
         };
-        let h = tp.enter(&normed)?;
         let attended = match (&self.mixer, cache) {
+            (None, _) => None,
+            (Some(mixer), cache) => Some(self.mix(p, mixer, tp.enter(&normed)?, heads, start, cache)?),
+        };
+        // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
+        let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];
+        let (x, h) = match attended {
+            // A block without a mixer feeds its input norm forward.
+            None => (x.shallow_clone(), normed),
+            Some(attended) => {
+                let attended = self.post_norm(p, self.post_attention_norm, attended)?;
+                let attended = self.scaled(attended)?;
+                let attended = p.dropout(&attended, self.residual_dropout, 1, &piece)?;
+                match (self.parallel, self.feed_forward_norm) {
+                    // The feed-forward reads what attention read.
+                    (true, _) => (x.f_add(&attended)?, normed),
+                    (false, Some(n)) => self.kinds.add_norm(p, x, &attended, n)?,
+                    (false, None) => {
+                        let x = x.f_add(&attended)?;
+                        (x.shallow_clone(), x)
+                    }
+                }
+            }
+        };
+        let y = match &self.feed_forward {
+            None => x,
+            Some(feed_forward) => {
+                let fed = match feed_forward {
+                    FeedForward::Dense(dense) => dense.forward(p, &h, &self.kinds)?,
+                    FeedForward::Sparse(experts) => experts.forward(p, &h, None)?,
+                    FeedForward::BesideShared { shared, sparse } => {
+                        sparse.forward(p, &h, None)?.f_add(&shared.forward(p, &h, &self.kinds)?)?
+                    }
+                    FeedForward::Both(both) => {
+                        let dense = self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds)?, both.after_dense)?;
+                        let experts_input = self.kinds.norm(p, &x, both.before_experts)?;
+                        let routed = both.sparse.forward(p, &experts_input, Some(&x))?;
+                        dense.f_add(&self.kinds.norm(p, &routed, both.after_experts)?)?
+                    }
+                };
+                let fed = self.scaled(self.post_norm(p, self.post_feed_forward_norm, fed)?)?;
+                x.f_add(&p.dropout(&fed, self.residual_dropout, 2, &piece)?)?
+            }
+        };
+        match self.scalar {
+            Some(s) => Ok(y.f_mul(&p[s].f_to_kind(y.kind())?)?),
+            None => Ok(y),
+        }
+    }
+
+    /// The mixer's output over the normed input `h` (this rank's `heads` where attention
+    /// splits over the tensor group), its positions following `start` cached ones.
+    fn mix(
+        &self,
+        p: &Params<'_>,
+        mixer: &Mixer,
+        h: Tensor,
+        heads: i64,
+        start: i64,
+        cache: Option<&mut DecodeCache>,
+    ) -> Result<Tensor> {
+        Ok(match (mixer, cache) {
             (Mixer::Linear(linear), cache) => {
                 let keep =
                     match (p.layout(), &cache) {
@@ -1253,40 +1354,7 @@ impl LlamaBlock {
                 };
                 p.row_linear(&y, a.o.0, a.o.1)?
             }
-        };
-        // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
-        let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];
-        let attended = self.post_norm(p, self.post_attention_norm, attended)?;
-        let attended = self.scaled(attended)?;
-        let attended = p.dropout(&attended, self.residual_dropout, 1, &piece)?;
-        let (x, h) = match (self.parallel, self.feed_forward_norm) {
-            // The feed-forward reads what attention read.
-            (true, _) => (x.f_add(&attended)?, normed),
-            (false, Some(n)) => self.kinds.add_norm(p, x, &attended, n)?,
-            (false, None) => {
-                let x = x.f_add(&attended)?;
-                (x.shallow_clone(), x)
-            }
-        };
-        let fed = match &self.feed_forward {
-            FeedForward::Dense(dense) => dense.forward(p, &h, &self.kinds)?,
-            FeedForward::Sparse(experts) => experts.forward(p, &h, None)?,
-            FeedForward::BesideShared { shared, sparse } => {
-                sparse.forward(p, &h, None)?.f_add(&shared.forward(p, &h, &self.kinds)?)?
-            }
-            FeedForward::Both(both) => {
-                let dense = self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds)?, both.after_dense)?;
-                let experts_input = self.kinds.norm(p, &x, both.before_experts)?;
-                let routed = both.sparse.forward(p, &experts_input, Some(&x))?;
-                dense.f_add(&self.kinds.norm(p, &routed, both.after_experts)?)?
-            }
-        };
-        let fed = self.scaled(self.post_norm(p, self.post_feed_forward_norm, fed)?)?;
-        let y = x.f_add(&p.dropout(&fed, self.residual_dropout, 2, &piece)?)?;
-        match self.scalar {
-            Some(s) => Ok(y.f_mul(&p[s].f_to_kind(y.kind())?)?),
-            None => Ok(y),
-        }
+        })
     }
 
     /// A sub-layer's output times the residual multiplier, where there is one.
@@ -1434,9 +1502,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let (hd, kv_heads) = (cfg.head_width_at(layer), cfg.key_value_heads_at(layer));
         let (q_out, kv_out) = (heads * hd, kv_heads * hd);
         let values_from_keys = cfg.full_heads_at(layer).is_some_and(|f| f.values_from_keys);
+        // A block may be one of its sub-layers alone.
+        let (mixes, feeds) = (cfg.has_mixer(layer), cfg.has_feed_forward(layer));
         // Linear and latent attention declare their own projections; the others project
         // whole heads (with each head's output gate beside its query where there is one).
         let (linear, latent, attended_width) = match &cfg.latent {
+            _ if !mixes => (None, None, 0),
             _ if cfg.is_linear(layer) => (Recurrent::declare(&mut u, &name, cfg), None, 0),
             Some(l) => {
                 let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope())
@@ -1445,16 +1516,16 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
             _ => (None, None, q_out),
         };
-        let grouped = linear.is_none() && latent.is_none();
+        let grouped = mixes && linear.is_none() && latent.is_none();
         let q_rows = if cfg.attention_output_gate { 2 * q_out } else { q_out };
-        let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
+        let sparse = cfg.moe.as_ref().filter(|m| feeds && m.is_sparse(i)).zip(balance.as_ref());
         let beside_dense = sparse.is_some_and(|(moe, _)| moe.beside_dense);
         // A dense feed-forward's activation without a gate, declared before the projections
         // borrow the unit (xIELU's scales are parameters of its own).
         let ungated = match cfg.activation {
             Activation::Relu2 => Some(Ungated::Relu2),
             Activation::UngatedGeluTanh => Some(Ungated::GeluTanh),
-            Activation::Xielu if sparse.is_none() || beside_dense => {
+            Activation::Xielu if feeds && (sparse.is_none() || beside_dense) => {
                 Some(Ungated::Xielu(Xielu::declare(&mut u, &name)))
             }
             _ => None,
@@ -1473,8 +1544,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 QkvProjection::Apart { q: (q, None), k: (k, None), v }
             }
         });
-        let o = linear.is_none().then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
-        let dense = (sparse.is_none() || beside_dense || cfg.shared_mlp).then(|| {
+        let o = (mixes && linear.is_none()).then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
+        let dense = (feeds && (sparse.is_none() || beside_dense || cfg.shared_mlp)).then(|| {
             let module = cfg.feed_forward_module();
             let (gate_up_name, up_name, down_name) = match () {
                 _ if cfg.shared_mlp => ("input_linear", "up_proj", "output_linear"),
@@ -1545,22 +1616,24 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 (!cfg.post_norms).then(|| norm("pre_feedforward_layernorm", d, residual)),
                 Some(norm("post_feedforward_layernorm", d, residual)),
             ),
-            _ if cfg.parallel_block => (None, None, None),
+            // A block of one sub-layer reads its input norm alone.
+            _ if cfg.parallel_block || !mixes || !feeds => (None, None, None),
             _ => (None, Some(norm("post_attention_layernorm", d, residual)), None),
         };
         let feed_forward = match (dense, experts) {
-            (Some(dense), None) => FeedForward::Dense(dense),
+            (Some(dense), None) => Some(FeedForward::Dense(dense)),
             (Some(shared), Some(sparse)) if cfg.shared_mlp => {
-                FeedForward::BesideShared { shared, sparse: Box::new(sparse) }
+                Some(FeedForward::BesideShared { shared, sparse: Box::new(sparse) })
             }
-            (None, Some(sparse)) => FeedForward::Sparse(Box::new(sparse)),
-            (Some(dense), Some(sparse)) => FeedForward::Both(Box::new(DenseAndSparse {
+            (None, Some(sparse)) => Some(FeedForward::Sparse(Box::new(sparse))),
+            (Some(dense), Some(sparse)) => Some(FeedForward::Both(Box::new(DenseAndSparse {
                 dense,
                 sparse,
                 after_dense: norm("post_feedforward_layernorm_1", d, residual),
                 before_experts: norm("pre_feedforward_layernorm_2", d, residual),
                 after_experts: norm("post_feedforward_layernorm_2", d, residual),
-            })),
+            }))),
+            (None, None) if !feeds => None,
             (None, None) => return Err(Error::Model(format!("{name}: a block without a feed-forward"))),
         };
         let window = cfg.window(layer);
@@ -1577,9 +1650,13 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         // routing probabilities, and its input again per slot (the grouped copy); it
         // multiplies by the router and its experts' weights alone.
         let (feed_forward_kept, idle_weights) = match cfg.moe.as_ref().filter(|m| m.is_sparse(i)) {
+            _ if !feeds => (0.0, 0.0),
             Some(m) => {
-                let routed = (m.top_k * (4 * m.expert_ffn_dim + 2 * d)) as f64 + 2.0 * m.experts as f64;
-                let shared = m.shared_expert_dim.map_or(0.0, |s| 4.0 * s as f64 + 1.0);
+                // An expert without a gate keeps its up projection and its activation (2·F)
+                // and holds two matrices.
+                let (kept, matrices) = if m.activation.gated() { (4, 3) } else { (2, 2) };
+                let routed = (m.top_k * (kept * m.expert_ffn_dim + 2 * d)) as f64 + 2.0 * m.experts as f64;
+                let shared = m.shared_expert_dim.map_or(0.0, |s| (kept * s) as f64 + 1.0);
                 // Beside a dense network: its 4·F, and (Gemma 4's) the three norms' inputs and
                 // statistics.
                 let dense = match () {
@@ -1587,7 +1664,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     _ if cfg.shared_mlp => 4.0 * cfg.hidden() as f64,
                     _ => 0.0,
                 };
-                (routed + shared + dense, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
+                (routed + shared + dense, ((m.experts - m.top_k) * matrices * d * m.expert_ffn_dim) as f64)
             }
             None => {
                 let per_width = match cfg.activation {
@@ -1598,6 +1675,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
         };
         let (attention_kept, attention_width, scale) = match &cfg.latent {
+            _ if !mixes => (0.0, 0, None),
             // A recurrent mixer attends over no sequence.
             _ if linear.is_some() => (Recurrent::kept_per_token(cfg), 0, None),
             // Latent attention keeps, beyond the residual stream's norms and sums, its
@@ -1618,12 +1696,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 (10.0 * d as f64 + gate, cfg.heads * hd, cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)))
             }
         };
-        let kept =
-            Kept::block(attention_kept + feed_forward_kept + 7.0, if linear.is_some() { 0 } else { cfg.heads }, d)
-                .with_dropout(
-                    super::dropout::masked(cfg.dropout.residual, 2 * d),
-                    cfg.dropout.attention > 0.0 && linear.is_none(),
-                );
+        let attends = mixes && linear.is_none();
+        let kept = Kept::block(attention_kept + feed_forward_kept + 7.0, if attends { cfg.heads } else { 0 }, d)
+            .with_dropout(super::dropout::masked(cfg.dropout.residual, 2 * d), cfg.dropout.attention > 0.0 && attends);
         u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, attention_width) });
         let attention = |inputs, o| {
             Mixer::Attention(Box::new(AttentionMixer {
@@ -1641,9 +1716,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }))
         };
         let mixer = match (linear, latent, qkv, o) {
-            (Some(linear), ..) => Mixer::Linear(linear),
-            (None, Some(latent), _, Some(o)) => attention(HeadInputs::Latent(latent), o),
-            (None, None, Some(qkv), Some(o)) => attention(
+            (Some(linear), ..) => Some(Mixer::Linear(linear)),
+            (None, Some(latent), _, Some(o)) => Some(attention(HeadInputs::Latent(latent), o)),
+            (None, None, Some(qkv), Some(o)) => Some(attention(
                 HeadInputs::Grouped(GroupedHeads {
                     qkv,
                     qk_norms,
@@ -1661,7 +1736,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     value_norm: cfg.value_norm,
                 }),
                 o,
-            ),
+            )),
+            (None, None, None, None) if !mixes => None,
             _ => return Err(Error::Model(format!("{name}: a block without a token mixer"))),
         };
         // A buffer of the family's files: stored and loaded, never trained.

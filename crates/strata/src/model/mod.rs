@@ -871,7 +871,7 @@ pub struct ModelSpec {
 pub struct ExpertSet {
     /// `model.layers.{i}.mlp.experts`, whatever the family calls the weights on disk.
     pub module: String,
-    /// Each expert's gate weight, in expert order.
+    /// Each expert's gate weight, in expert order; empty where the experts have no gate.
     pub gate: Vec<ParamId>,
     /// Each expert's up weight, in expert order.
     pub up: Vec<ParamId>,
@@ -984,7 +984,7 @@ impl ModelSpec {
             return vec![];
         }
         (2..=ranks)
-            .filter(|&e| ranks.is_multiple_of(e) && self.expert_sets.iter().all(|s| s.gate.len().is_multiple_of(e)))
+            .filter(|&e| ranks.is_multiple_of(e) && self.expert_sets.iter().all(|s| s.up.len().is_multiple_of(e)))
             .collect()
     }
 

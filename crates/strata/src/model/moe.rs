@@ -79,8 +79,8 @@ impl std::fmt::Debug for dyn ExpertExchange {
     }
 }
 
-/// How an expert's gated feed-forward turns its gate and up projections into the down
-/// projection's input.
+/// How an expert's feed-forward turns its gate and up projections (or its up projection
+/// alone) into the down projection's input.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExpertActivation {
@@ -97,6 +97,15 @@ pub enum ExpertActivation {
     },
     /// GeGLU with GELU's tanh form, `gelu_tanh(gate) · up` (Gemma 4).
     GeluTanh,
+    /// `relu(up)²` without a gate projection (Nemotron-H's experts and shared expert).
+    UngatedRelu2,
+}
+
+impl ExpertActivation {
+    /// Whether the experts have a gate projection.
+    pub fn gated(self) -> bool {
+        self != ExpertActivation::UngatedRelu2
+    }
 }
 
 /// How a family names its experts' weights.
@@ -355,6 +364,9 @@ impl MoeConfig {
                     .into(),
             ));
         }
+        if self.expert_bias && !self.activation.gated() {
+            return Err(Error::Config("biases on the experts' projections take gated experts".into()));
+        }
         if let Some(f) = self.capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
             return Err(Error::Config(format!("the experts' capacity factor must be positive, got {f}")));
         }
@@ -460,10 +472,12 @@ impl MoeConfig {
     }
 }
 
-/// One expert's gated feed-forward: `down(act(gate(x), up(x)))`, with optional biases.
+/// One expert's feed-forward: `down(act(gate(x), up(x)))`, or `down(act(up(x)))` without
+/// a gate, with optional biases.
 #[derive(Clone, Copy)]
 pub(crate) struct Expert {
-    pub(crate) gate: ParamId,
+    /// `None` where the experts have no gate ([`ExpertActivation::gated`]).
+    pub(crate) gate: Option<ParamId>,
     pub(crate) up: ParamId,
     pub(crate) down: ParamId,
     /// The gate's, up's and down's biases, where the family has them.
@@ -472,7 +486,7 @@ pub(crate) struct Expert {
 }
 
 impl Expert {
-    /// Declares an expert's gate, up and down weights (named `names`, `width` wide, over
+    /// Declares an expert's gate (where it has one), up and down weights (named `names`, `width` wide, over
     /// hidden states `dim` wide): routed expert `slot`'s, or a shared expert's (`None`). A
     /// shared expert's are linear layers a LoRA strategy's `target_modules` may name; routed
     /// experts' are not (`transformers` stacks them into one module's parameters, which
@@ -490,23 +504,33 @@ impl Expert {
             Some(slot) => u.expert_param(name, shape, init, slot),
             None => u.linear(name, shape, init, TpRole::SequenceReplicated),
         };
-        let [gate, up, down] = [(&names[0], [width, dim]), (&names[1], [width, dim]), (&names[2], [dim, width])]
-            .map(|(name, shape)| param(name, &shape, normal));
-        // Each bias beside its weight, named as the weight is but `.bias`.
+        // A shared expert gates with SwiGLU, or runs without a gate as the routed ones do.
+        let activation = match slot {
+            Some(_) => moe.activation,
+            None if !moe.activation.gated() => moe.activation,
+            None => ExpertActivation::Silu,
+        };
+        let gate = activation.gated().then(|| param(&names[0], &[width, dim], normal));
+        let [up, down] =
+            [(&names[1], [width, dim]), (&names[2], [dim, width])].map(|(name, shape)| param(name, &shape, normal));
+        // Each bias beside its weight, named as the weight is but `.bias` (validated: gated
+        // experts alone carry biases).
         let biases = (slot.is_some() && moe.expert_bias).then(|| {
             [(&names[0], width), (&names[1], width), (&names[2], dim)].map(|(name, out)| {
                 let name = name.strip_suffix(".weight").unwrap_or(name);
                 param(&format!("{name}.bias"), &[out], Init::Zeros)
             })
         });
-        let routed = slot.is_some();
-        let activation = if routed { moe.activation } else { ExpertActivation::Silu };
         Expert { gate, up, down, biases, activation }
     }
 
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let [gate_bias, up_bias, down_bias] = self.biases.map_or([None; 3], |b| b.map(Some));
-        let (gate, up) = (p.linear(x, self.gate, gate_bias)?, p.linear(x, self.up, up_bias)?);
+        let up = p.linear(x, self.up, up_bias)?;
+        let Some(gate) = self.gate else {
+            return p.linear(&up.f_relu()?.f_square()?, self.down, down_bias);
+        };
+        let gate = p.linear(x, gate, gate_bias)?;
         let gated = match self.activation {
             ExpertActivation::Silu => swiglu(&gate, &up)?,
             ExpertActivation::ClampedSwiglu { alpha, limit } => {
@@ -515,6 +539,7 @@ impl Expert {
                 up.f_add_scalar(1.0)?.f_mul(&gate.f_mul(&gate.f_mul_scalar(alpha)?.f_sigmoid()?)?)?
             }
             ExpertActivation::GeluTanh => geglu(&gate, &up)?,
+            ExpertActivation::UngatedRelu2 => return Err(Error::Model("relu² experts have no gate".into())),
         };
         p.linear(&gated, self.down, down_bias)
     }
@@ -613,12 +638,14 @@ impl SparseFeedForward {
             .collect();
         u.expert_set(super::ExpertSet {
             module: moe.experts_module(name),
-            gate: experts.iter().map(|e| e.gate).collect(),
+            gate: experts.iter().filter_map(|e| e.gate).collect(),
             up: experts.iter().map(|e| e.up).collect(),
             down: experts.iter().map(|e| e.down).collect(),
             top_k: moe.top_k,
-            // gpt-oss's and Llama 4's stacks are input-major, peft's adapters of them alike.
-            peft_layout: !matches!(moe.names, ExpertNames::Stacked | ExpertNames::FeedForward),
+            // gpt-oss's and Llama 4's stacks are input-major, peft's adapters of them alike;
+            // experts without a gate stack no `gate_up_proj`.
+            peft_layout: moe.activation.gated()
+                && !matches!(moe.names, ExpertNames::Stacked | ExpertNames::FeedForward),
         });
         let shared = moe.shared_expert_dim.map(|width| {
             let (names, gate) = moe.shared_names(name);
@@ -879,16 +906,17 @@ impl SparseFeedForward {
         let plain = experts.iter().all(|e| {
             e.biases.is_none()
                 && matches!(e.activation, ExpertActivation::Silu)
-                && [e.gate, e.up, e.down].into_iter().all(|w| !p.has_adapter(w))
+                && [e.gate, Some(e.up), Some(e.down)].into_iter().flatten().all(|w| !p.has_adapter(w))
         });
-        if !plain {
-            return Ok(None);
-        }
+        let gates: Option<Vec<&Tensor>> = experts.iter().map(|e| e.gate.map(|g| &p[g])).collect();
+        let Some(gates) = gates.filter(|_| plain) else { return Ok(None) };
         let product = |x: &Tensor, pick: fn(&Expert) -> ParamId| {
             let weights: Vec<&Tensor> = experts.iter().map(|e| &p[pick(e)]).collect();
             grouped_linear(x, &weights, counts)
         };
-        let (Some(gate), Some(up)) = (product(rows, |e| e.gate)?, product(rows, |e| e.up)?) else { return Ok(None) };
+        let (Some(gate), Some(up)) = (grouped_linear(rows, &gates, counts)?, product(rows, |e| e.up)?) else {
+            return Ok(None);
+        };
         product(&swiglu(&gate, &up)?, |e| e.down)
     }
 
@@ -1471,7 +1499,7 @@ mod tests {
                     tensors.push(Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.3);
                 }
                 let id = |j: usize| ParamId(1 + 3 * e + j);
-                Expert { gate: id(0), up: id(1), down: id(2), biases: None, activation: ExpertActivation::Silu }
+                Expert { gate: Some(id(0)), up: id(1), down: id(2), biases: None, activation: ExpertActivation::Silu }
             })
             .collect();
         let balance = Arc::new(LoadBalance::new(&MoeConfig::new(EXPERTS as i64, 2, WIDTH), 1));

@@ -555,7 +555,7 @@ impl LoraConfig {
         };
         // peft's key of a stacked parameter: its module's name, unwrapped, and its own.
         let (r, scale) = self.rank_and_scale(&format!("{}.{part}", set.module));
-        for e in 0..set.gate.len() {
+        for e in 0..set.down.len() {
             let first = spec.params[weights[0][e].0].clone();
             let [rows, inp] = first.shape[..] else {
                 return Err(Error::Config(format!("lora: {} is not a matrix", first.name)));

@@ -755,6 +755,15 @@ fn granite4_dense_matches_transformers() {
     family_matches_transformers("granite4-dense", 24);
 }
 
+/// Nemotron-H: each layer one sub-layer behind its norm (Mamba-2 mixers scanning two chunks,
+/// attention turning no position, a ReLU² feed-forward, ReLU² experts without a gate chosen
+/// within groups by biased sigmoid scores beside a shared one), under its `backbone.` names
+/// with each layer's `mixer`.
+#[test]
+fn nemotron_h_matches_transformers() {
+    family_matches_transformers("nemotron-h", 24);
+}
+
 /// Phi-3.5 and Phi-4-mini's LongRoPE: short factors within the original context, long ones
 /// past it, the cosines and sines scaled: rows of 24 positions (long factors) give
 /// transformers' logits; greedy generation runs four tokens past the original context (the
@@ -1840,8 +1849,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 49] = [
+const DECODER_TYPES: [&str; 50] = [
     "llama",
+    "nemotron_h",
     "bamba",
     "lfm2_moe",
     "deepseek_v2",
