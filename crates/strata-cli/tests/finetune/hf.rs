@@ -200,6 +200,8 @@ fn newer_families_train_split_as_one_process() {
         ("lfm2", "pipeline 2", PIPELINE),
         ("lfm2-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("deepseek-v2", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("nemotron-h", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("nemotron-h", "pipeline 2", PIPELINE),
     ] {
         let flags = ["--ctx", "16", "--batch-size", "4", "--threads", "1", "--optimizer", "sgd", "--lr", "0.05"];
         // A family's layouts (listed together) follow one run of it alone.
@@ -217,10 +219,16 @@ fn newer_families_train_split_as_one_process() {
         let extra = ["--nproc", "2", "--accumulation", micro, "--strategy", strategy];
         let run = common::train_run(dir.path(), name, 4, &[&files, &flags, &extra]);
         common::assert_follows(one, &run, &format!("{family} {name}"), 1e-6, 1e-6);
-        if family == "llama4" && name.starts_with("experts") {
-            // Its stacks are input-major, which peft adapts otherwise.
-            let lora = r#"[["lora", {"r": 2, "target_parameters": ["feed_forward.experts.gate_up_proj"]}]]"#;
-            let o = strata(&[&["train"][..], &files, &flags, &["--steps", "1", "--strategy", lora]].concat());
+        // Llama 4's stacks are input-major, which peft adapts otherwise; Nemotron-H's experts
+        // have no gate_up_proj.
+        let stacked = match (family, name) {
+            ("llama4", "experts 2") => Some("feed_forward.experts.gate_up_proj"),
+            ("nemotron-h", "experts 2") => Some("experts.up_proj"),
+            _ => None,
+        };
+        if let Some(target) = stacked {
+            let lora = format!(r#"[["lora", {{"r": 2, "target_parameters": ["{target}"]}}]]"#);
+            let o = strata(&[&["train"][..], &files, &flags, &["--steps", "1", "--strategy", &lora]].concat());
             assert!(!o.status.success());
             assert!(stderr(&o).contains("stacks the experts in another layout than peft's"), "{}", stderr(&o));
         }

@@ -4727,6 +4727,76 @@ mod tests {
         }
     }
 
+    /// Nemotron-H's layer kinds as its class reads them: `layers_block_type` over its alias
+    /// `layer_types` (with the older `mamba` and `attention`), over the older
+    /// `hybrid_override_pattern`; the older `mamba_`-named sizes over the newer ones; the step
+    /// bounded below at `time_step_min` whatever `time_step_limit` says; what it cannot run
+    /// refused by name.
+    #[test]
+    fn nemotron_h_kinds_and_older_keys_read_as_its_class_reads_them() {
+        use LayerAttention::{FeedForwardOnly as Ffn, Full, Linear};
+        let kinds = |keys: Value| read(Family::NemotronH, keys).map(|c| c.layer_types.unwrap_or_default());
+        let pattern = json!({"hybrid_override_pattern": "M-*E", "n_routed_experts": 4, "num_experts_per_tok": 2});
+        assert_eq!(kinds(pattern.clone()).unwrap(), [Linear, Ffn, Full, Ffn]);
+        let alias = json!({"layer_types": ["mamba", "mlp", "attention"], "hybrid_override_pattern": "M-*E"});
+        assert_eq!(kinds(alias).unwrap(), [Linear, Ffn, Full]);
+        let both = json!({"layers_block_type": ["full_attention", "mlp"], "layer_types": ["mamba"]});
+        assert_eq!(kinds(both).unwrap(), [Full, Ffn]);
+        // Its class's four layers where nothing names them.
+        assert_eq!(kinds(json!({"n_routed_experts": 4})).unwrap(), [Linear, Ffn, Full, Ffn]);
+        let c = read(
+            Family::NemotronH,
+            json!({"hybrid_override_pattern": "M-*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
+                   "mamba_num_heads": 4, "n_groups": 1, "mamba_n_groups": 2, "mamba_dt_min": 0.02,
+                   "time_step_min": 0.5, "time_step_limit": [0.0, 1.0]}),
+        )
+        .unwrap();
+        let mamba = c.state_space.unwrap();
+        assert_eq!((mamba.groups, mamba.time_step_min, mamba.time_step_max), (2, 0.02, None));
+        let moe = c.moe.unwrap();
+        assert_eq!((0..4).map(|l| moe.is_sparse(l)).collect::<Vec<_>>(), [false, false, false, true]);
+        assert_eq!((c.mixer_alone, c.unrotated_layers.len(), c.padding_token), (true, 4, None));
+        let refused = [
+            (json!({"hybrid_override_pattern": "M-X"}), "holds 'X'"),
+            (json!({"layers_block_type": ["mamba", "sliding_attention"]}), "not linear_attention"),
+            (json!({"mlp_hidden_act": "silu"}), "mlp_hidden_act = \"silu\" is not supported"),
+            (json!({"moe_latent_size": 16}), "latent projection"),
+        ];
+        for (keys, why) in refused {
+            let error = read(Family::NemotronH, keys).unwrap_err();
+            assert!(error.contains(why), "{error}");
+        }
+    }
+
+    /// Nemotron-H's names: everything under `backbone.`, each layer's norm `norm` and its one
+    /// sub-layer `mixer`, told apart on reading by the mixer's modules (`transformers`' own
+    /// `model.` names read alike).
+    #[test]
+    fn nemotron_h_names_tell_each_mixer_by_its_modules() {
+        let pairs = [
+            ("model.embed_tokens.weight", "backbone.embeddings.weight"),
+            ("model.norm.weight", "backbone.norm_f.weight"),
+            ("lm_head.weight", "lm_head.weight"),
+            ("model.layers.0.input_layernorm.weight", "backbone.layers.0.norm.weight"),
+            ("model.layers.0.mamba.norm.weight", "backbone.layers.0.mixer.norm.weight"),
+            ("model.layers.0.mamba.A_log", "backbone.layers.0.mixer.A_log"),
+            ("model.layers.2.self_attn.o_proj.weight", "backbone.layers.2.mixer.o_proj.weight"),
+            ("model.layers.3.mlp.up_proj.weight", "backbone.layers.3.mixer.up_proj.weight"),
+            ("model.layers.1.mlp.gate.e_score_correction_bias", "backbone.layers.1.mixer.gate.e_score_correction_bias"),
+            ("model.layers.11.mlp.experts.3.down_proj.weight", "backbone.layers.11.mixer.experts.3.down_proj.weight"),
+            (
+                "model.layers.1.mlp.shared_experts.up_proj.weight",
+                "backbone.layers.1.mixer.shared_experts.up_proj.weight",
+            ),
+        ];
+        for (strata, hf) in pairs {
+            assert_eq!(Family::NemotronH.hf_name(strata), (hf.to_string(), false));
+            assert_eq!(Family::NemotronH.strata_name(hf), Some((strata.to_string(), false)));
+        }
+        let internal = Family::NemotronH.strata_name("model.layers.4.mixer.in_proj.weight");
+        assert_eq!(internal, Some(("model.layers.4.mamba.in_proj.weight".to_string(), false)));
+    }
+
     /// `mrope` is the default rotation for Qwen2.5-VL's language model alone, as in
     /// `transformers`; another family naming it is refused.
     #[test]

@@ -144,8 +144,14 @@ fn one_or_many<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> std::res
 }
 
 /// The two stacked parameters of a sparse layer's experts, in the order `transformers`
-/// declares them (which is the order peft nests its adapters of both in).
-const EXPERT_PARAMETERS: [&str; 2] = ["gate_up_proj", "down_proj"];
+/// declares them (which is the order peft nests its adapters of both in): `up_proj` in
+/// place of `gate_up_proj` where the experts have no gate.
+fn expert_parameters(set: &ExpertSet) -> [&'static str; 2] {
+    match set.gate.is_empty() {
+        true => ["up_proj", "down_proj"],
+        false => ["gate_up_proj", "down_proj"],
+    }
+}
 
 /// Where a configuration names `target_parameters` and no `target_modules`, it adapts no
 /// linear layer (peft's reading), not the default ones: the targets are made explicit.
@@ -462,7 +468,7 @@ impl LoraConfig {
     }
 
     /// For each sparse layer of `spec`, which of its stacked parameters
-    /// ([`EXPERT_PARAMETERS`]) `target_parameters` names; a name that names none of the
+    /// ([`expert_parameters`]) `target_parameters` names; a name that names none of the
     /// model's is an error listing them.
     fn expert_targets(&self, spec: &ModelSpec) -> Result<Vec<[bool; 2]>> {
         let named = |set: &ExpertSet, part: &str| {
@@ -473,25 +479,29 @@ impl LoraConfig {
             !spec
                 .expert_sets
                 .iter()
-                .any(|set| EXPERT_PARAMETERS.iter().any(|part| names(&format!("{}.{part}", set.module), t)))
+                .any(|set| expert_parameters(set).iter().any(|part| names(&format!("{}.{part}", set.module), t)))
         }) {
-            let known = match spec.expert_sets.is_empty() {
-                true => "none: it has no experts".to_string(),
-                false => EXPERT_PARAMETERS.map(|p| format!("mlp.experts.{p}")).join(", "),
+            let known = match spec.expert_sets.first() {
+                None => "none: it has no experts".to_string(),
+                Some(set) => {
+                    // The module under its layer (`model.layers.{i}.`).
+                    let module = set.module.splitn(4, '.').nth(3).unwrap_or(&set.module);
+                    expert_parameters(set).map(|p| format!("{module}.{p}")).join(", ")
+                }
             };
             return Err(Error::Config(format!(
                 "lora: target_parameters {t:?} names no parameter of this model; its expert parameters are {known}"
             )));
         }
         if let Some(set) =
-            spec.expert_sets.iter().find(|set| !set.peft_layout && EXPERT_PARAMETERS.iter().any(|p| named(set, p)))
+            spec.expert_sets.iter().find(|set| !set.peft_layout && expert_parameters(set).iter().any(|p| named(set, p)))
         {
             return Err(Error::Config(format!(
                 "lora: target_parameters cannot adapt {}: its family stacks the experts in another layout than peft's",
                 set.module
             )));
         }
-        Ok(spec.expert_sets.iter().map(|set| EXPERT_PARAMETERS.map(|part| named(set, part))).collect())
+        Ok(spec.expert_sets.iter().map(|set| expert_parameters(set).map(|part| named(set, part))).collect())
     }
 
     /// Joins an adapter to every targeted linear layer of `spec` and freezes every other
@@ -524,7 +534,7 @@ impl LoraConfig {
             spec.adapters.insert(w, adapter);
         }
         for (set, parts) in spec.expert_sets.clone().iter().zip(expert_targets) {
-            for (part, _) in EXPERT_PARAMETERS.iter().zip(parts).filter(|(_, named)| *named) {
+            for (part, _) in expert_parameters(set).iter().zip(parts).filter(|(_, named)| *named) {
                 // peft nests its adapters of both parameters, the first declared inside.
                 let module = match (*part, parts) {
                     ("gate_up_proj", [true, true]) => format!("{}.base_layer", set.module),
@@ -551,6 +561,7 @@ impl LoraConfig {
     fn join_experts(&self, spec: &mut ModelSpec, set: &ExpertSet, part: &str, module: &str) -> Result<()> {
         let weights: Vec<&[ParamId]> = match part {
             "gate_up_proj" => vec![&set.gate, &set.up],
+            "up_proj" => vec![&set.up],
             _ => vec![&set.down],
         };
         // peft's key of a stacked parameter: its module's name, unwrapped, and its own.
