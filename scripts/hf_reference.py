@@ -514,8 +514,9 @@ def decoder_families():
             mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
             time_step_limit=(0.0, 1.2))),
         # Nemotron-H (Nemotron 3 Nano's kinds of layer): each layer one sub-layer behind its
-        # norm. Mamba-2 mixers (four heads in two groups, chunks of 8, biases on their
-        # projections, the step bounded below at 0.01) on two layers; attention turning no
+        # norm. Mamba-2 mixers (four heads in two groups, chunks of 8, the step bounded below
+        # at 0.01; biases on the projections, drawn large as the others' are, would make every
+        # position alike, so there are none, as in its releases) on two layers; attention turning no
         # position on one; a ReLU² feed-forward without a gate on one; and on two, four
         # ReLU² experts in two groups, two per token from the best group, chosen by sigmoid
         # scores plus a choice bias and weighted renormalised times 1.5, beside a shared one.
@@ -523,7 +524,7 @@ def decoder_families():
             **dict(common, head_dim=8),
             layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
             mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8,
-            use_conv_bias=True, use_bias=True, time_step_min=0.01, n_routed_experts=4, num_experts_per_tok=2,
+            use_conv_bias=True, use_bias=False, time_step_min=0.01, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=24, moe_shared_expert_intermediate_size=20, routed_scaling_factor=1.5,
             n_group=2, topk_group=1, tie_word_embeddings=False)),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global

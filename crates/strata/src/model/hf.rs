@@ -4748,11 +4748,11 @@ mod tests {
             Family::NemotronH,
             json!({"hybrid_override_pattern": "M-*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
                    "mamba_num_heads": 4, "n_groups": 1, "mamba_n_groups": 2, "mamba_dt_min": 0.02,
-                   "time_step_min": 0.5, "time_step_limit": [0.0, 1.0]}),
+                   "time_step_min": 0.5, "time_step_limit": [0.0, 1.0], "use_bias": true}),
         )
         .unwrap();
         let mamba = c.state_space.unwrap();
-        assert_eq!((mamba.groups, mamba.time_step_min, mamba.time_step_max), (2, 0.02, None));
+        assert_eq!((mamba.groups, mamba.time_step_min, mamba.time_step_max, mamba.proj_bias), (2, 0.02, None, true));
         let moe = c.moe.unwrap();
         assert_eq!((0..4).map(|l| moe.is_sparse(l)).collect::<Vec<_>>(), [false, false, false, true]);
         assert_eq!((c.mixer_alone, c.unrotated_layers.len(), c.padding_token), (true, 4, None));

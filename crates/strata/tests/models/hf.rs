@@ -314,14 +314,25 @@ fn greedy_generation_equals_transformers() {
 /// Prompts decoded together give each the tokens it gets alone, greedy, with and without
 /// the cache: with it, shorter prompts are padded on the left (in every attention kind:
 /// plain, windowed and soft-capped, with sinks, latent, linear, Mamba-2's with its
-/// convolution's bias, LFM2's short convolution with its projection's bias), without it rows of one
+/// convolution's bias, LFM2's short convolution with its projection's bias, Nemotron-H's
+/// blocks of one sub-layer), without it rows of one
 /// length share a batch; a row that meets a stop token ends there while the others go on.
 /// Sampled, each row draws from its own stream, the same alone or beside other prompts.
 #[test]
 fn batched_generation_equals_one_at_a_time() {
     let Some(py) = python() else { return };
-    let families =
-        ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next", "ministral3", "granite4-dense", "lfm2"];
+    let families = [
+        "gpt2",
+        "llama",
+        "gemma2",
+        "gpt-oss",
+        "deepseek-v3",
+        "qwen3-next",
+        "ministral3",
+        "granite4-dense",
+        "lfm2",
+        "nemotron-h",
+    ];
     for family in families {
         let work = tempfile::tempdir().unwrap();
         let dir = work.path().join(family);
