@@ -519,14 +519,15 @@ def decoder_families():
         # position alike, so there are none, as in its releases) on two layers; attention turning no
         # position on one; a ReLU² feed-forward without a gate on one; and on two, four
         # ReLU² experts in two groups, two per token from the best group, chosen by sigmoid
-        # scores plus a choice bias and weighted renormalised times 1.5, beside a shared one.
+        # scores plus a choice bias and weighted renormalised times 1.5, beside a shared one;
+        # the experts in a latent space of 16 (Nemotron 3 Super's kind).
         "nemotron-h": lambda: (tf.NemotronHForCausalLM, tf.NemotronHConfig(
             **dict(common, head_dim=8),
             layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
             mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8,
             use_conv_bias=True, use_bias=False, time_step_min=0.01, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=24, moe_shared_expert_intermediate_size=20, routed_scaling_factor=1.5,
-            n_group=2, topk_group=1, tie_word_embeddings=False)),
+            n_group=2, topk_group=1, moe_latent_size=16, tie_word_embeddings=False)),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers

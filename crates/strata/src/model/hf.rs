@@ -850,6 +850,7 @@ impl Family {
         let experts = [
             (single, "layers of one sub-layer (a mixer or a feed-forward alone)"),
             (moe.is_some_and(|m| !m.activation.gated()), "experts without a gate"),
+            (moe.is_some_and(|m| m.latent_dim.is_some()), "experts in a latent space"),
             // Gemma 4's and Granite 4's experts are an option of their layers.
             (
                 moe.is_some() != self.has_experts() && !matches!(self, Family::Gemma4 | Family::GraniteMoeHybrid),
@@ -1737,6 +1738,7 @@ fn nemotron_h_json(c: &LlamaConfig) -> Value {
         v["n_group"] = json!(m.groups);
         v["topk_group"] = json!(m.top_groups);
         v["norm_topk_prob"] = json!(m.norm_topk);
+        v["moe_latent_size"] = json!(m.latent_dim);
     }
     v
 }
@@ -3514,7 +3516,6 @@ impl Keys<'_> {
     fn nemotron_h(&self, head: DecoderHead) -> KeyResult<LlamaConfig> {
         self.only("mlp_hidden_act", &[json!("relu2")], "its feed-forwards and experts run relu2 without a gate")?;
         self.only("mamba_hidden_act", &[json!("silu")], "its Mamba-2 convolutions run silu")?;
-        self.only("moe_latent_size", &[Value::Null], "experts over a latent projection are not supported")?;
         let kinds = self.nemotron_h_kinds()?;
         let layers = kinds.len() as i64;
         let heads = self.required("num_attention_heads")?;
@@ -3629,7 +3630,8 @@ impl Keys<'_> {
     /// Nemotron-H's experts on its `moe` layers: `num_experts_per_tok` of `n_routed_experts`
     /// (2 of 8 by default), ReLU² without a gate, chosen by sigmoid scores plus the choice
     /// bias within groups as DeepSeek-V3 chooses, weighted by the renormalised scores times
-    /// `routed_scaling_factor`, beside one shared expert; its class has no load-balancing loss.
+    /// `routed_scaling_factor`, beside one shared expert, in a latent space `moe_latent_size`
+    /// wide where it names one; its class has no load-balancing loss.
     fn nemotron_h_experts(&self, kinds: &[&str]) -> KeyResult<MoeConfig> {
         let experts = match self.int("n_routed_experts")? {
             Some(n) => n,
@@ -3646,6 +3648,7 @@ impl Keys<'_> {
             routed_scale: self.float("routed_scaling_factor")?.unwrap_or(1.0),
             activation: ExpertActivation::UngatedRelu2,
             dense_layers: (0..kinds.len()).filter(|&l| kinds[l] != "moe").map(|l| l as i64).collect(),
+            latent_dim: self.int("moe_latent_size")?,
             ..MoeConfig::new(
                 experts,
                 self.int("num_experts_per_tok")?.unwrap_or(2),
@@ -4748,19 +4751,19 @@ mod tests {
             Family::NemotronH,
             json!({"hybrid_override_pattern": "M-*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
                    "mamba_num_heads": 4, "n_groups": 1, "mamba_n_groups": 2, "mamba_dt_min": 0.02,
-                   "time_step_min": 0.5, "time_step_limit": [0.0, 1.0], "use_bias": true}),
+                   "time_step_min": 0.5, "time_step_limit": [0.0, 1.0], "use_bias": true, "moe_latent_size": 16}),
         )
         .unwrap();
         let mamba = c.state_space.unwrap();
         assert_eq!((mamba.groups, mamba.time_step_min, mamba.time_step_max, mamba.proj_bias), (2, 0.02, None, true));
         let moe = c.moe.unwrap();
         assert_eq!((0..4).map(|l| moe.is_sparse(l)).collect::<Vec<_>>(), [false, false, false, true]);
+        assert_eq!(moe.latent_dim, Some(16));
         assert_eq!((c.mixer_alone, c.unrotated_layers.len(), c.padding_token), (true, 4, None));
         let refused = [
             (json!({"hybrid_override_pattern": "M-X"}), "holds 'X'"),
             (json!({"layers_block_type": ["mamba", "sliding_attention"]}), "not linear_attention"),
             (json!({"mlp_hidden_act": "silu"}), "mlp_hidden_act = \"silu\" is not supported"),
-            (json!({"moe_latent_size": 16}), "latent projection"),
         ];
         for (keys, why) in refused {
             let error = read(Family::NemotronH, keys).unwrap_err();

@@ -1655,7 +1655,11 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 // An expert without a gate keeps its up projection and its activation (2·F)
                 // and holds two matrices.
                 let (kept, matrices) = if m.activation.gated() { (4, 3) } else { (2, 2) };
-                let routed = (m.top_k * (kept * m.expert_ffn_dim + 2 * d)) as f64 + 2.0 * m.experts as f64;
+                // Experts in a latent space read and give its width, and the projections
+                // into and out of it keep a token's input and the weighted sum.
+                let width = m.latent_dim.unwrap_or(d);
+                let latent = m.latent_dim.map_or(0, |l| d + l);
+                let routed = (m.top_k * (kept * m.expert_ffn_dim + 2 * width) + latent) as f64 + 2.0 * m.experts as f64;
                 let shared = m.shared_expert_dim.map_or(0.0, |s| (kept * s) as f64 + 1.0);
                 // Beside a dense network: its 4·F, and (Gemma 4's) the three norms' inputs and
                 // statistics.
@@ -1664,7 +1668,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     _ if cfg.shared_mlp => 4.0 * cfg.hidden() as f64,
                     _ => 0.0,
                 };
-                (routed + shared + dense, ((m.experts - m.top_k) * matrices * d * m.expert_ffn_dim) as f64)
+                (routed + shared + dense, ((m.experts - m.top_k) * matrices * width * m.expert_ffn_dim) as f64)
             }
             None => {
                 let per_width = match cfg.activation {

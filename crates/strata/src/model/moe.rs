@@ -262,6 +262,12 @@ pub struct MoeConfig {
     /// Mixtral's loss so beside its sigmoid router).
     #[serde(default)]
     pub balance_over_softmax: bool,
+    /// The routed experts work in a narrower space: each token enters it through
+    /// `fc1_latent_proj` (`[latent, dim]`), its experts' weighted sum leaves it through
+    /// `fc2_latent_proj` (`[dim, latent]`); the router and the shared expert read the hidden
+    /// states themselves (Nemotron-H's `moe_latent_size`). `None`: no latent space.
+    #[serde(default)]
+    pub latent_dim: Option<i64>,
 }
 
 fn every_layer() -> i64 {
@@ -316,6 +322,7 @@ impl MoeConfig {
             beside_dense: false,
             scale_inputs: false,
             balance_over_softmax: false,
+            latent_dim: None,
         }
     }
 
@@ -363,6 +370,9 @@ impl MoeConfig {
                  this model's router has none"
                     .into(),
             ));
+        }
+        if let Some(latent) = self.latent_dim.filter(|&l| l <= 0) {
+            return Err(Error::Config(format!("moe_latent_size must be positive, got {latent}")));
         }
         if self.expert_bias && !self.activation.gated() {
             return Err(Error::Config("biases on the experts' projections take gated experts".into()));
@@ -572,6 +582,8 @@ pub(crate) struct SparseFeedForward {
     router: Router,
     experts: Vec<Expert>,
     shared: Option<(Expert, Option<ParamId>)>,
+    /// The projections into and out of the routed experts' latent space, where they have one.
+    latent: Option<(ParamId, ParamId)>,
     capacity_factor: Option<f64>,
     /// The routing weights scale the experts' inputs rather than their outputs.
     scale_inputs: bool,
@@ -624,13 +636,19 @@ impl SparseFeedForward {
         let expert_scales = moe.expert_scales.then(|| {
             u.param(format!("{scales}.per_expert_scale"), &[moe.experts], Init::Ones, TpRole::SequenceReplicated)
         });
+        let latent = moe.latent_dim.map(|width| {
+            let projection = |u: &mut UnitBuilder<'_>, which: &str, shape: [i64; 2]| {
+                u.linear(format!("{name}.mlp.{which}_latent_proj.weight"), &shape, normal, TpRole::SequenceReplicated)
+            };
+            (projection(u, "fc1", [width, dim]), projection(u, "fc2", [dim, width]))
+        });
         let experts: Vec<Expert> = (0..moe.experts)
             .map(|e| {
                 Expert::declare(
                     u,
                     moe.expert_names(name, e),
                     moe.expert_ffn_dim,
-                    dim,
+                    moe.latent_dim.unwrap_or(dim),
                     Some(ExpertSlot { index: e, of: moe.experts }),
                     moe,
                 )
@@ -670,6 +688,7 @@ impl SparseFeedForward {
             },
             experts,
             shared,
+            latent,
             capacity_factor: moe.capacity_factor,
             scale_inputs: moe.scale_inputs,
             layer,
@@ -728,7 +747,13 @@ impl SparseFeedForward {
             None => x.shallow_clone(),
         };
         let routing = self.route(p, &router_input, real_tokens(p, &size)?)?;
-        let (mut y, dispatch) = self.experts_of(p, &x, &routing)?;
+        let (mut y, dispatch) = match self.latent {
+            Some((into, out_of)) => {
+                let (y, dispatch) = self.experts_of(p, &p.linear(&x, into, None)?, &routing)?;
+                (p.linear(&y, out_of, None)?, dispatch)
+            }
+            None => self.experts_of(p, &x, &routing)?,
+        };
         if let Some((expert, gate)) = &self.shared {
             let shared = expert.forward(p, &x)?;
             y = match gate {
@@ -1521,6 +1546,7 @@ mod tests {
             },
             experts,
             shared: None,
+            latent: None,
             capacity_factor,
             scale_inputs: false,
             layer: 0,
