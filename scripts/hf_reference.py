@@ -513,6 +513,15 @@ def decoder_families():
             rope_parameters={"rope_type": "default", "rope_theta": 500.0}, mamba_n_heads=8, mamba_n_groups=1,
             mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
             time_step_limit=(0.0, 1.2))),
+        # OLMo Hybrid as released: OLMo 3's attention (norms after each sub-layer, query/key
+        # norms over whole projections) turning no position on one layer of four, Gated
+        # DeltaNet on the others (two key heads serving four value heads, betas doubled)
+        # normed before each sub-layer as LLaMA's layers are.
+        "olmo-hybrid": lambda: (tf.OlmoHybridForCausalLM, tf.OlmoHybridConfig(
+            **common, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": None}, tie_word_embeddings=False)),
         # Nemotron-H (Nemotron 3 Nano's kinds of layer): each layer one sub-layer behind its
         # norm. Mamba-2 mixers (four heads in two groups, chunks of 8, the step bounded below
         # at 0.01; biases on the projections, drawn large as the others' are, would make every

@@ -50,6 +50,9 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
         }
     }
     dequantizer.finish().map_err(in_file(&model.dir))?;
+    if let (Family::OlmoHybrid, ModelConfig::Llama(c)) = (model.family, &model.config) {
+        recut_convolutions(&mut named, c).map_err(in_file(&model.dir))?;
+    }
     let spec = engine.spec();
     let factors = super::peft::factor_ids(&spec.adapters);
     // A causal folder read as a reward model: its language head goes unused and the score
@@ -64,6 +67,43 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
         tracing::info!(folder = %model.dir.display(), "the reward model's score head starts fresh");
     }
     load_named(engine, &model.dir, named.into_iter(), &|id| factors.contains(&id) || Some(id) == fresh_score)
+}
+
+/// OLMo Hybrid's convolution pieces (`linear_attn.{q,k,v}_conv1d.weight`) of each layer,
+/// joined and cut again at the widths of its queries, keys and values: `transformers` 5
+/// writes them cut in equal thirds (and joins them again on reading), where its releases
+/// cut them at those widths.
+fn recut_convolutions(named: &mut Vec<(String, String, Tensor)>, c: &LlamaConfig) -> Result<()> {
+    const PIECES: [&str; 3] = ["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"];
+    let Some(l) = &c.linear_attention else { return Ok(()) };
+    let widths = [l.key_heads * l.key_dim, l.key_heads * l.key_dim, l.value_heads * l.value_dim];
+    // Each layer's pieces, by the module that holds them.
+    let mut layers: BTreeMap<String, [Option<usize>; 3]> = BTreeMap::new();
+    for (i, (param, ..)) in named.iter().enumerate() {
+        let Some((module, piece)) = param.rsplit_once(".linear_attn.") else { continue };
+        if let Some(at) = PIECES.iter().position(|p| *p == piece) {
+            layers.entry(module.to_string()).or_default()[at] = Some(i);
+        }
+    }
+    for (module, pieces) in layers {
+        let [Some(q), Some(k), Some(v)] = pieces else {
+            return Err(Error::Model(format!(
+                "{module}: its convolution's queries', keys' or values' part is missing"
+            )));
+        };
+        let whole = Tensor::f_cat(&[&named[q].2, &named[k].2, &named[v].2], 0)?;
+        if whole.size()[0] != widths.iter().sum::<i64>() {
+            return Err(Error::Model(format!(
+                "{module}: the convolution's parts hold {} channels, not {}",
+                whole.size()[0],
+                widths.iter().sum::<i64>()
+            )));
+        }
+        for (index, part) in [q, k, v].into_iter().zip(whole.f_split_with_sizes(widths, 0)?) {
+            named[index].2 = part.f_contiguous()?;
+        }
+    }
+    Ok(())
 }
 
 /// A model's error about what a file (or folder) holds, as an error naming it.

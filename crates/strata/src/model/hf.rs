@@ -135,6 +135,11 @@ pub enum Family {
     /// `layer_types` marks (the others attention, turning positions or none), and on every
     /// layer its `shared_mlp`, beside Granite-MoE's experts where it has experts.
     GraniteMoeHybrid,
+    /// OLMo Hybrid (`olmo_hybrid`): OLMo 3's attention layers (norms after each sub-layer,
+    /// query/key norms over whole projections, turning no position where `rope_parameters`
+    /// names no base) beside Gated DeltaNet layers normed as LLaMA's, their projections
+    /// apart and their betas doubled.
+    OlmoHybrid,
     /// Nemotron-H (`nemotron_h`): each layer one sub-layer behind its norm, of the kind
     /// `layers_block_type` names: a Mamba-2 mixer, attention turning no position, a ReLU²
     /// feed-forward without a gate, or experts without a gate chosen as DeepSeek-V3 chooses
@@ -246,6 +251,13 @@ fn attending_on(attending: &[i64], layers: i64) -> Vec<LayerAttention> {
 const LFM2_LAYER_NAMES: [(&str, LayerAttention); 2] =
     [("conv", LayerAttention::Linear), ("full_attention", LayerAttention::Full)];
 
+/// OLMo Hybrid's names of Strata's block norms (on its attention layers the first norms
+/// attention's output, on the others the feed-forward's input).
+const OLMO_HYBRID_NAMES: [(&str, &str); 2] = [
+    ("input_layernorm.weight", "attention_layer_norm.weight"),
+    ("post_attention_layernorm.weight", "feedforward_layer_norm.weight"),
+];
+
 /// Bamba's names of Strata's parameters (its final norm `final_layernorm`).
 const BAMBA_NAMES: [(&str, &str); 5] = [
     ("post_attention_layernorm.weight", "pre_ff_layernorm.weight"),
@@ -314,7 +326,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 53] = [
+const FAMILIES: [Family; 54] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -357,6 +369,7 @@ const FAMILIES: [Family; 53] = [
     Family::Olmoe,
     Family::Olmo2,
     Family::Olmo3,
+    Family::OlmoHybrid,
     Family::DeepseekV3,
     Family::DeepseekV2,
     Family::Glm4MoeLite,
@@ -415,6 +428,7 @@ impl Family {
             Family::Olmoe => "olmoe",
             Family::Olmo2 => "olmo2",
             Family::Olmo3 => "olmo3",
+            Family::OlmoHybrid => "olmo_hybrid",
             Family::DeepseekV3 => "deepseek_v3",
             Family::Glm4MoeLite => "glm4_moe_lite",
             Family::Mistral4 => "mistral4",
@@ -486,6 +500,7 @@ impl Family {
             Family::Olmoe => "Olmoe",
             Family::Olmo2 => "Olmo2",
             Family::Olmo3 => "Olmo3",
+            Family::OlmoHybrid => "OlmoHybrid",
             Family::DeepseekV3 => "DeepseekV3",
             Family::Glm4MoeLite => "Glm4MoeLite",
             Family::Mistral4 => "Mistral4",
@@ -521,6 +536,7 @@ impl Family {
                 | Family::GraniteMoe
                 | Family::GraniteMoeHybrid
                 | Family::NemotronH
+                | Family::OlmoHybrid
                 | Family::Lfm2
                 | Family::Lfm2Moe
                 | Family::Bamba
@@ -558,7 +574,7 @@ impl Family {
                 Qwen3Vl | Qwen3VlMoe | Lfm2 | Lfm2Moe => 128_000,
                 MiniMaxM2 => 196_608,
                 Glm4MoeLite => 202_752,
-                Apertus => 65_536,
+                Apertus | OlmoHybrid => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron | NemotronH => 4096,
                 Cohere | Cohere2 => 8192,
                 SeedOss => 524_288,
@@ -648,7 +664,7 @@ impl Family {
 
     /// Whether the family is OLMo 2's (norms after attention and the feed-forward alone).
     fn is_olmo(self) -> bool {
-        matches!(self, Family::Olmo2 | Family::Olmo3)
+        matches!(self, Family::Olmo2 | Family::Olmo3 | Family::OlmoHybrid)
     }
 
     /// The dense family whose attention, windows and keys a mixture of experts shares
@@ -742,7 +758,7 @@ impl Family {
     /// (Mixtral's names with DeepSeek's routing), GLM-4.5
     /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
     /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as LFM2 (short convolutions),
-    /// Qwen3.5 (linear
+    /// OLMo Hybrid (linear attention's projections apart), Qwen3.5 (linear
     /// attention), Nemotron (layer norms scaled by `1 + w`), StarCoder2 (`c_fc`/`c_proj`, or
     /// layer norms with biases), Cohere 2 and Cohere (layer norms without a bias, or the
     /// parallel block; Cohere 2 with a window), Arcee (ReLU²), Apertus (xIELU), EXAONE 4 (post
@@ -805,6 +821,7 @@ impl Family {
         }
         Ok(match c {
             c if c.short_conv.is_some() => Family::Lfm2,
+            c if c.linear_attention.as_ref().is_some_and(|l| l.apart_projections) => Family::OlmoHybrid,
             c if c.linear_attention.is_some() => Family::Qwen3_5,
             c if c.norm == NormKind::LayerPlusOne => Family::Nemotron,
             c if c.fc_names || c.norm_bias => Family::Starcoder2,
@@ -1009,13 +1026,18 @@ impl Family {
                 !c.unrotated_layers.is_empty()
                     && !matches!(
                         self,
-                        Family::SmolLm3 | Family::Exaone4 | Family::Llama4 | Family::Cohere2 | Family::GraniteMoeHybrid
+                        Family::SmolLm3
+                            | Family::Exaone4
+                            | Family::Llama4
+                            | Family::Cohere2
+                            | Family::GraniteMoeHybrid
+                            | Family::OlmoHybrid
                     ),
                 "layers that turn no position",
             ),
-            // Granite 4's attention turns positions on every layer or none.
+            // Granite 4's and OLMo Hybrid's attention turns positions on every layer or none.
             (
-                self == Family::GraniteMoeHybrid
+                matches!(self, Family::GraniteMoeHybrid | Family::OlmoHybrid)
                     && !c.unrotated_layers.is_empty()
                     && c.unrotated_layers.len() as i64 != c.layers,
                 "layers that turn no position beside layers that do",
@@ -1192,8 +1214,22 @@ impl Family {
                 "gpt-oss's experts",
             ),
             (
-                (c.linear_attention.is_some() || c.attention_output_gate) != self.linear_attention_family(),
+                c.linear_attention.is_some() != (self.linear_attention_family() || self == Family::OlmoHybrid)
+                    || c.attention_output_gate != self.linear_attention_family(),
                 "linear attention and gated attention outputs",
+            ),
+            (
+                c.linear_attention.as_ref().is_some_and(|l| {
+                    let olmo = (l.apart_projections, l.gate_norm_eps) == (true, Some(1e-5));
+                    let qwen = (l.apart_projections, l.doubled_beta, l.gate_norm_eps) == (false, false, None);
+                    if self == Family::OlmoHybrid {
+                        !olmo
+                    } else {
+                        !qwen
+                    }
+                }) || c.recurrent_pre_norms != (self == Family::OlmoHybrid),
+                "OLMo Hybrid's linear attention (projections apart, doubled betas, its own norm epsilon, LLaMA's \
+                 norms)",
             ),
             (
                 c.linear_attention.as_ref().is_some_and(|l| l.split_projections != self.is_qwen3_5()),
@@ -1292,6 +1328,7 @@ impl Family {
                             | Family::Qwen3_5
                             | Family::Olmo2
                             | Family::Olmo3
+                            | Family::OlmoHybrid
                             | Family::SmolLm3
                             | Family::Glm4
                             | Family::SeedOss
@@ -1362,6 +1399,7 @@ impl Family {
             Family::GraniteMoe | Family::GraniteMoeHybrid => &[&GRANITE_MOE_STACKS],
             Family::Lfm2 | Family::Lfm2Moe => &[&LFM2_NAMES],
             Family::Bamba => &[&BAMBA_NAMES],
+            Family::OlmoHybrid => &[&OLMO_HYBRID_NAMES],
             _ => &[],
         };
         lists.iter().flat_map(|list| list.iter().copied())
@@ -1826,6 +1864,10 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             "full_attention": rope(&c.rope()),
             "sliding_attention": rope(local.as_ref().unwrap_or(&c.rope())),
         }),
+        // OLMo Hybrid's attention turns no position where its base is null.
+        (_, Family::OlmoHybrid) if !c.unrotated_layers.is_empty() => {
+            json!({"rope_type": "default", "rope_theta": null})
+        }
         _ => rope(&c.rope()),
     };
     let layer_types: Vec<&str> = (0..c.layers as usize)
@@ -1926,6 +1968,8 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["sliding_window"] = window;
             v["resid_pdrop"] = json!(c.dropout.residual);
         }
+        // Its class has no mlp_bias.
+        Family::OlmoHybrid => v["attention_bias"] = json!(c.qkv_bias),
         // GPT-2, BERT and T5 never reach here (`Family::config_json`); the mixtures of
         // experts are their dense families here.
         _ => {
@@ -1976,6 +2020,9 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["linear_key_head_dim"] = json!(l.key_dim);
         v["linear_value_head_dim"] = json!(l.value_dim);
         v["linear_conv_kernel_dim"] = json!(l.conv_kernel);
+        if family == Family::OlmoHybrid {
+            v["linear_allow_neg_eigval"] = json!(l.doubled_beta);
+        }
     }
     if let Some(conv) = &c.short_conv {
         let types: Vec<&str> =
@@ -3069,6 +3116,7 @@ impl Keys<'_> {
             | Family::Cohere2 => Some(0),
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
+            Family::OlmoHybrid => Some(100_277),
             Family::Lfm2 | Family::Lfm2Moe | Family::Bamba => Some(0),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -3085,6 +3133,7 @@ impl Keys<'_> {
         };
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
+        let olmo_hybrid = family == Family::OlmoHybrid;
         let split_projections = family.is_qwen3_5();
         let qwen3_5_moe = family == Family::Qwen3_5Moe;
         let latent = match family.has_latent_attention() {
@@ -3099,6 +3148,7 @@ impl Keys<'_> {
         let unrotated_layers = match () {
             _ if smollm3 || llama4 => self.unrotated_layers(layers)?,
             _ if granite4 => self.granite4_unrotated(layers)?,
+            _ if olmo_hybrid => self.olmo_hybrid_unrotated(layers)?,
             _ => vec![],
         };
         let llama4_attention = if llama4 { Some(self.llama4_attention(layers, &unrotated_layers)?) } else { None };
@@ -3261,6 +3311,7 @@ impl Keys<'_> {
             _ if class == Family::Lfm2Moe => (None, Some(self.layer_kinds_required(&LFM2_LAYER_NAMES)?)),
             _ if lfm2 => (None, Some(self.lfm2_layers(layers)?)),
             _ if bamba => (None, Some(self.bamba_layers(layers)?)),
+            _ if olmo_hybrid => (None, Some(self.olmo_hybrid_layers(layers)?)),
             (Some(l), _) => (None, Some(l.layer_types.clone())),
             _ => self.windows(class, layers, &unrotated_layers)?,
         };
@@ -3375,7 +3426,12 @@ impl Keys<'_> {
             moe,
             attention_sinks: gpt_oss,
             attention_output_gate: next,
-            linear_attention: if next { Some(self.linear_attention(split_projections)?) } else { None },
+            linear_attention: match () {
+                _ if next => Some(self.linear_attention(split_projections)?),
+                _ if olmo_hybrid => Some(self.olmo_hybrid_linear_attention(dim, heads)?),
+                _ => None,
+            },
+            recurrent_pre_norms: olmo_hybrid,
             // Granite 4's and LFM2's mixers where some layer has one (Granite 4 Micro's attend
             // on every layer).
             state_space: if (granite4 || bamba) && recurrent_layers { Some(self.state_space(dim)?) } else { None },
@@ -3451,6 +3507,9 @@ impl Keys<'_> {
             key_dim: self.int("linear_key_head_dim")?.unwrap_or(128),
             value_dim: self.int("linear_value_head_dim")?.unwrap_or(128),
             conv_kernel: self.int("linear_conv_kernel_dim")?.unwrap_or(4),
+            apart_projections: false,
+            doubled_beta: false,
+            gate_norm_eps: None,
         })
     }
 
@@ -3750,6 +3809,52 @@ impl Keys<'_> {
             }
         }
         Ok((0..layers).map(|_| LayerAttention::Linear).collect())
+    }
+
+    /// OLMo Hybrid's layer kinds: `layer_types` (`linear_attention` or `full_attention`),
+    /// else every fourth layer full and the others linear, the last full where that makes
+    /// none, as its class has it.
+    fn olmo_hybrid_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
+        if let Some(types) = self.layer_types(&["linear_attention", "full_attention"])? {
+            return Ok(types);
+        }
+        let mut types: Vec<LayerAttention> =
+            (0..layers).map(|i| if i % 4 == 3 { LayerAttention::Full } else { LayerAttention::Linear }).collect();
+        if let Some(last) = types.last_mut().filter(|_| layers < 4) {
+            *last = LayerAttention::Full;
+        }
+        Ok(types)
+    }
+
+    /// OLMo Hybrid's attention turns positions unless its base is null (`rope_parameters`'
+    /// `rope_theta`, or the older top-level key), as its released models have it: then
+    /// every layer is unrotated.
+    fn olmo_hybrid_unrotated(&self, layers: i64) -> KeyResult<Vec<i64>> {
+        let base = match self.get("rope_parameters") {
+            Some(Value::Object(params)) => params.get("rope_theta"),
+            _ => self.cfg.get("rope_theta"),
+        };
+        Ok(if base.is_some_and(Value::is_null) { (0..layers).collect() } else { vec![] })
+    }
+
+    /// OLMo Hybrid's Gated DeltaNet sizes, with its class's defaults: as many key and value
+    /// heads as attention heads, keys `0.75 · hidden_size` over the key heads wide, values
+    /// twice that; its projections apart, its betas doubled unless
+    /// `linear_allow_neg_eigval` is off, its gated norm's epsilon 1e-5.
+    fn olmo_hybrid_linear_attention(&self, dim: i64, heads: i64) -> KeyResult<LinearAttentionConfig> {
+        let key_heads = self.int("linear_num_key_heads")?.unwrap_or(heads);
+        let key_dim = self.int("linear_key_head_dim")?.unwrap_or((0.75 * dim as f64 / key_heads.max(1) as f64) as i64);
+        Ok(LinearAttentionConfig {
+            key_heads,
+            value_heads: self.int("linear_num_value_heads")?.unwrap_or(heads),
+            key_dim,
+            value_dim: self.int("linear_value_head_dim")?.unwrap_or(2 * key_dim),
+            conv_kernel: self.int("linear_conv_kernel_dim")?.unwrap_or(4),
+            split_projections: false,
+            apart_projections: true,
+            doubled_beta: self.flag("linear_allow_neg_eigval")?.unwrap_or(true),
+            gate_norm_eps: Some(1e-5),
+        })
     }
 
     /// Granite 4's attention turns positions where `position_embedding_type` is `rope`, and
@@ -4175,7 +4280,7 @@ impl Keys<'_> {
         let window = match family {
             Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4MoeLite | Mistral4 | Glm4Moe
             | SeedOss | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2
-            | Qwen3Vl | Qwen3VlMoe => return Ok((None, None)),
+            | Qwen3Vl | Qwen3VlMoe | OlmoHybrid => return Ok((None, None)),
             Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3
                 if !self.flag("use_sliding_window")?.unwrap_or(false) =>
             {
@@ -4769,6 +4874,29 @@ mod tests {
             let error = read(Family::NemotronH, keys).unwrap_err();
             assert!(error.contains(why), "{error}");
         }
+    }
+
+    /// OLMo Hybrid's class's defaults: every fourth layer full (the last where that makes
+    /// none), linear attention with its sizes from the heads and hidden size, betas doubled;
+    /// its attention turns positions unless the base is null.
+    #[test]
+    fn olmo_hybrid_reads_its_class_defaults() {
+        use LayerAttention::{Full, Linear};
+        let c = read(Family::OlmoHybrid, json!({})).unwrap();
+        assert_eq!(c.layer_types.as_deref(), Some(&[Linear, Linear, Full][..]));
+        let l = c.linear_attention.as_ref().unwrap();
+        assert_eq!((l.key_heads, l.value_heads, l.key_dim, l.value_dim), (4, 4, 6, 12));
+        assert_eq!((l.apart_projections, l.doubled_beta, l.gate_norm_eps), (true, true, Some(1e-5)));
+        assert_eq!((c.recurrent_pre_norms, c.post_norms, c.qk_norm_whole), (true, true, true));
+        assert!(c.unrotated_layers.is_empty(), "its class's default base turns positions");
+        for nope in
+            [json!({"rope_parameters": {"rope_type": "default", "rope_theta": null}}), json!({"rope_theta": null})]
+        {
+            assert_eq!(read(Family::OlmoHybrid, nope).unwrap().unrotated_layers, [0, 1, 2]);
+        }
+        let kept = read(Family::OlmoHybrid, json!({"linear_allow_neg_eigval": false, "num_hidden_layers": 8})).unwrap();
+        assert!(!kept.linear_attention.unwrap().doubled_beta);
+        assert_eq!(kept.layer_types.unwrap().iter().filter(|&&t| t == Full).count(), 2);
     }
 
     /// Nemotron-H's names: everything under `backbone.`, each layer's norm `norm` and its one

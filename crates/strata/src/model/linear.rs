@@ -1,4 +1,4 @@
-//! Gated DeltaNet linear attention (Qwen3-Next's and Qwen3.5's `linear_attn`): a recurrent state per
+//! Gated DeltaNet linear attention (Qwen3-Next's, Qwen3.5's and OLMo Hybrid's `linear_attn`): a recurrent state per
 //! value head, `[key_dim, value_dim]`, that each position decays by its gate, corrects by
 //! the delta rule (the state's prediction for the position's key moved towards its value by
 //! `beta`) and reads with its query. Training computes it in chunks of 64 positions, as
@@ -39,6 +39,20 @@ pub struct LinearAttentionConfig {
     /// and gates (`in_proj_qkvz`), then its betas and decays (`in_proj_ba`).
     #[serde(default)]
     pub split_projections: bool,
+    /// OLMo Hybrid's projections, each apart: `q_proj`, `k_proj`, `v_proj`, the gates
+    /// `g_proj`, the betas `b_proj` and the decays `a_proj`, the gated norm `o_norm` and the
+    /// output `o_proj` (in place of `norm` and `out_proj`); the convolution's weight apart
+    /// too, `q_conv1d`, `k_conv1d` and `v_conv1d`.
+    #[serde(default)]
+    pub apart_projections: bool,
+    /// Each beta doubled, so that it lies in `(0, 2)` and the state's update may reverse
+    /// (OLMo Hybrid's `linear_allow_neg_eigval`).
+    #[serde(default)]
+    pub doubled_beta: bool,
+    /// The gated norm's epsilon where it is its own (OLMo Hybrid's 1e-5); `None`: the
+    /// decoder's.
+    #[serde(default)]
+    pub gate_norm_eps: Option<f64>,
 }
 
 impl LinearAttentionConfig {
@@ -52,6 +66,12 @@ impl LinearAttentionConfig {
             ("linear_value_head_dim", self.value_dim),
             ("linear_conv_kernel_dim", self.conv_kernel),
         ])?;
+        if self.split_projections && self.apart_projections {
+            return Err(Error::Config("the linear attention's projections are split or apart, not both".into()));
+        }
+        if let Some(eps) = self.gate_norm_eps.filter(|e| !(e.is_finite() && *e > 0.0)) {
+            return Err(Error::Config(format!("the linear attention's norm epsilon must be positive, got {eps}")));
+        }
         if self.value_heads % self.key_heads != 0 {
             return Err(Error::Config(format!(
                 "linear_num_key_heads {} must divide linear_num_value_heads {}",
@@ -94,12 +114,15 @@ enum Projections {
     ByKeyHead { qkvz: ParamId, ba: ParamId },
     /// Qwen3.5's: queries, keys and values; gates; betas; decays.
     Split { qkv: ParamId, z: ParamId, b: ParamId, a: ParamId },
+    /// OLMo Hybrid's: queries, keys, values, gates, betas and decays each apart.
+    Apart { q: ParamId, k: ParamId, v: ParamId, z: ParamId, b: ParamId, a: ParamId },
 }
 
 /// A block's Gated DeltaNet: its parameters and sizes.
 pub(crate) struct GatedDeltaNet {
     projections: Projections,
-    conv: ParamId,
+    /// The convolution's weight, or its parts over the queries, keys and values, in order.
+    conv: Vec<ParamId>,
     dt_bias: ParamId,
     a_log: ParamId,
     norm: ParamId,
@@ -110,7 +133,7 @@ pub(crate) struct GatedDeltaNet {
 
 impl GatedDeltaNet {
     /// Declares layer `name`'s linear attention over hidden states `dim` wide, named as
-    /// Qwen3-Next's or Qwen3.5's folders name it.
+    /// Qwen3-Next's, Qwen3.5's or OLMo Hybrid's folders name it.
     pub(crate) fn declare(
         u: &mut UnitBuilder<'_>,
         name: &str,
@@ -126,27 +149,42 @@ impl GatedDeltaNet {
         // parameters are whole on every rank.
         let whole = TpRole::SequenceReplicated;
         let mut linear = |what: &str, rows: i64| u.linear(at(&format!("{what}.weight")), &[rows, dim], normal, whole);
-        let projections = match c.split_projections {
-            true => Projections::Split {
+        let (keys, values) = (c.key_heads * c.key_dim, c.value_heads * c.value_dim);
+        let projections = match (c.split_projections, c.apart_projections) {
+            (true, _) => Projections::Split {
                 qkv: linear("in_proj_qkv", c.conv_channels()),
-                z: linear("in_proj_z", c.value_heads * c.value_dim),
+                z: linear("in_proj_z", values),
                 b: linear("in_proj_b", c.value_heads),
                 a: linear("in_proj_a", c.value_heads),
             },
-            false => Projections::ByKeyHead {
+            (_, true) => Projections::Apart {
+                q: linear("q_proj", keys),
+                k: linear("k_proj", keys),
+                v: linear("v_proj", values),
+                z: linear("g_proj", values),
+                b: linear("b_proj", c.value_heads),
+                a: linear("a_proj", c.value_heads),
+            },
+            _ => Projections::ByKeyHead {
                 qkvz: linear("in_proj_qkvz", c.key_heads * (2 * c.key_dim + 2 * ratio * c.value_dim)),
                 ba: linear("in_proj_ba", 2 * c.value_heads),
             },
         };
+        let (norm, out) = if c.apart_projections { ("o_norm", "o_proj") } else { ("norm", "out_proj") };
+        let mut conv = |what: &str, channels: i64| u.param(at(what), &[channels, 1, c.conv_kernel], normal, whole);
+        let conv = match c.apart_projections {
+            true => vec![conv("q_conv1d.weight", keys), conv("k_conv1d.weight", keys), conv("v_conv1d.weight", values)],
+            false => vec![conv("conv1d.weight", c.conv_channels())],
+        };
         GatedDeltaNet {
             projections,
-            conv: u.param(at("conv1d.weight"), &[c.conv_channels(), 1, c.conv_kernel], normal, whole),
+            conv,
             dt_bias: u.param(at("dt_bias"), &[c.value_heads], Init::Ones, whole),
             a_log: u.param(at("A_log"), &[c.value_heads], Init::Zeros, whole),
-            norm: u.norm(at("norm.weight"), &[c.value_dim], Init::Ones, whole),
-            out: u.linear(at("out_proj.weight"), &[dim, c.value_heads * c.value_dim], normal, whole),
+            norm: u.norm(at(&format!("{norm}.weight")), &[c.value_dim], Init::Ones, whole),
+            out: u.linear(at(&format!("{out}.weight")), &[dim, values], normal, whole),
             config: config.clone(),
-            norm_eps,
+            norm_eps: c.gate_norm_eps.unwrap_or(norm_eps),
         }
     }
 
@@ -174,10 +212,18 @@ impl GatedDeltaNet {
             Projections::Split { qkv, z, b: beta, a } => {
                 (p.linear(h, qkv, None)?, p.linear(h, z, None)?, p.linear(h, beta, None)?, p.linear(h, a, None)?)
             }
+            Projections::Apart { q, k, v, z, b: beta, a } => {
+                let mixed = Tensor::f_cat(&[p.linear(h, q, None)?, p.linear(h, k, None)?, p.linear(h, v, None)?], -1)?;
+                (mixed, p.linear(h, z, None)?, p.linear(h, beta, None)?, p.linear(h, a, None)?)
+            }
         };
         let recurrent = cache.as_ref().and_then(|c| c.recurrent());
         let state = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
-        let (convolved, kept) = causal_conv(&mixed, &p[self.conv], None, recurrent.map(|r| &r.conv))?;
+        let conv = match self.conv.as_slice() {
+            [whole] => p[*whole].shallow_clone(),
+            parts => Tensor::f_cat(&parts.iter().map(|&part| &p[part]).collect::<Vec<_>>(), 0)?,
+        };
+        let (convolved, kept) = causal_conv(&mixed, &conv, None, recurrent.map(|r| &r.conv))?;
         let convolved = convolved.f_silu()?;
         let key_width = c.key_heads * c.key_dim;
         let q = convolved.f_narrow(-1, 0, key_width)?.f_view([b, t, c.key_heads, c.key_dim])?;
@@ -185,6 +231,7 @@ impl GatedDeltaNet {
         let v = convolved.f_narrow(-1, 2 * key_width, c.value_heads * c.value_dim)?;
         let v = v.f_view([b, t, c.value_heads, c.value_dim])?;
         let beta = beta_logit.f_reshape([b, t, c.value_heads])?.f_sigmoid()?;
+        let beta = if c.doubled_beta { beta.f_mul_scalar(2.0)? } else { beta };
         let a = a.f_reshape([b, t, c.value_heads])?.f_to_kind(Kind::Float)?;
         let decay = p[self.a_log]
             .f_to_kind(Kind::Float)?

@@ -251,6 +251,11 @@ pub struct LlamaConfig {
     /// before them (OLMo 2 and 3).
     #[serde(default)]
     pub post_norms: bool,
+    /// With `post_norms`, the layers with a recurrent mixer norm their inputs as LLaMA's
+    /// do instead: `input_layernorm` before the mixer, `post_attention_layernorm` before the
+    /// feed-forward (OLMo Hybrid's linear-attention layers beside OLMo 3's).
+    #[serde(default)]
+    pub recurrent_pre_norms: bool,
     /// Layers whose attention turns no position (no rotary embedding: SmolLM3's NoPE layers).
     #[serde(default)]
     pub unrotated_layers: Vec<i64>,
@@ -399,6 +404,7 @@ impl LlamaConfig {
             clip_qkv: None,
             sandwich_norms: false,
             post_norms: false,
+            recurrent_pre_norms: false,
             unrotated_layers: vec![],
             query_scaling: None,
             qk_l2_norm: false,
@@ -577,6 +583,9 @@ impl LlamaConfig {
             if listed.count() == 0 {
                 return Err(Error::Config("experts take layers that layer_types marks feed_forward_only".into()));
             }
+        }
+        if self.recurrent_pre_norms && !self.post_norms {
+            return Err(Error::Config("recurrent_pre_norms makes exceptions to post_norms, which is off".into()));
         }
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
@@ -1596,7 +1605,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let sinks = (cfg.attention_sinks && o.is_some())
             .then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
         let mut norm = |module: &str, width: i64, tp| declare_norm(&mut u, &format!("{name}.{module}"), width, tp);
-        let input_norm = (!cfg.post_norms).then(|| norm("input_layernorm", d, TpRole::SequenceReplicated));
+        // Norms before the sub-layers (LLaMA's), or after them alone.
+        let pre_normed = !cfg.post_norms || cfg.recurrent_pre_norms && cfg.is_linear(layer);
+        let input_norm = pre_normed.then(|| norm("input_layernorm", d, TpRole::SequenceReplicated));
         // Per head, each rank's applied to its own heads; or (OLMoE) over each projection
         // whole, split in columns with it.
         let (q_width, k_width, qk_role) = match cfg.qk_norm_whole {
@@ -1611,9 +1622,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         // norm.
         let residual = TpRole::SequenceReplicated;
         let (post_attention_norm, feed_forward_norm, post_feed_forward_norm) = match () {
-            _ if cfg.sandwich_norms || cfg.post_norms => (
+            _ if cfg.sandwich_norms || !pre_normed => (
                 Some(norm("post_attention_layernorm", d, residual)),
-                (!cfg.post_norms).then(|| norm("pre_feedforward_layernorm", d, residual)),
+                pre_normed.then(|| norm("pre_feedforward_layernorm", d, residual)),
                 Some(norm("post_feedforward_layernorm", d, residual)),
             ),
             // A block of one sub-layer reads its input norm alone.

@@ -766,6 +766,14 @@ fn granite4_dense_matches_transformers() {
     family_matches_transformers("granite4-dense", 24);
 }
 
+/// OLMo Hybrid as released: OLMo 3's attention turning no position beside Gated DeltaNet
+/// layers with their projections apart and their betas doubled, each kind of layer normed
+/// its own way.
+#[test]
+fn olmo_hybrid_matches_transformers() {
+    family_matches_transformers("olmo-hybrid", 24);
+}
+
 /// Nemotron-H: each layer one sub-layer behind its norm (Mamba-2 mixers scanning two chunks,
 /// attention turning no position, a ReLU² feed-forward, ReLU² experts without a gate chosen
 /// within groups by biased sigmoid scores beside a shared one), under its `backbone.` names
@@ -1860,9 +1868,10 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 50] = [
+const DECODER_TYPES: [&str; 51] = [
     "llama",
     "nemotron_h",
+    "olmo_hybrid",
     "bamba",
     "lfm2_moe",
     "deepseek_v2",
