@@ -5,7 +5,7 @@
 use super::{load_named, read_safetensors, write_atomic, write_weights, WeightsTarget};
 use crate::engine::Engine;
 use crate::model::hf::{language_model_name, release_module_name};
-use crate::model::{Adapter, Adapters, ModelSpec, ParamId};
+use crate::model::{Adapter, Adapters, Family, ModelSpec, ParamId};
 use crate::strategy::{stacked_factor, LoraConfig, Targets};
 use crate::{Error, Result};
 use serde_json::{json, Value};
@@ -39,6 +39,9 @@ pub struct AdapterOut {
     /// beside it (Gemma 3's, Mistral 3's, Qwen3.5's): peft names its layers as the
     /// release's model holds them, under `model.language_model.`.
     pub release: bool,
+    /// The family of the model folder trained from, whose module names peft's keys take
+    /// (`None`: Strata's own names).
+    pub family: Option<Family>,
 }
 
 impl AdapterOut {
@@ -91,7 +94,8 @@ impl AdapterOut {
 
     /// The name a parameter takes in the folder.
     pub(super) fn key(&self, name: &str) -> String {
-        peft_key(name, self.release)
+        let held = self.family.map_or_else(|| name.to_string(), |f| f.memory_name(name));
+        peft_key(&held, self.release)
     }
 }
 
@@ -174,8 +178,8 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
 /// Loads the adapter of the peft folder `dir` into `engine`, built with the folder's
 /// LoRA configuration: every factor of the model's adapters must be in the file, in its
 /// shape, and every tensor of the file must name one (or a parameter of a module saved
-/// whole).
-pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
+/// whole); its keys are `family`'s module names where the base is a folder of one.
+pub fn load_adapter(engine: &mut Engine, dir: &Path, family: Option<Family>) -> Result<()> {
     let path = dir.join(ADAPTER_WEIGHTS);
     let err = |message: String| Error::Weights { path: path.clone(), message };
     let (mut named, mut release) = (vec![], false);
@@ -187,6 +191,10 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
         release |= name != held;
         // peft's files written with an adapter name keep it before `.weight`.
         let name = name.replace(".default.weight", ".weight");
+        let name = match family {
+            Some(family) => family.from_memory_name(&name).unwrap_or(name),
+            None => name,
+        };
         named.push((name, key, t));
     }
     let spec = engine.spec();
@@ -197,7 +205,8 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
         if !named.iter().any(|(n, _, _)| n == name) {
             // An expert's part is missing when peft's stacked factor holding it is.
             let entry = stacked_factor(name).map_or_else(|| name.clone(), |(whole, _, _)| whole);
-            return Err(err(format!("missing {:?}", peft_key(&entry, release))));
+            let held = family.map_or_else(|| entry.clone(), |f| f.memory_name(&entry));
+            return Err(err(format!("missing {:?}", peft_key(&held, release))));
         }
     }
     load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))

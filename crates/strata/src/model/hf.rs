@@ -323,6 +323,15 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
         .unwrap_or_else(|| name.to_string())
 }
 
+/// A LoRA factor's name split into its adapted module's and the factor's own part
+/// (`.lora_A.weight`, `.lora_embedding_B`, ...); a parameter's whole name, and nothing.
+fn split_factor(name: &str) -> (&str, &str) {
+    match name.find(".lora_") {
+        Some(at) => name.split_at(at),
+        None => (name, ""),
+    }
+}
+
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
@@ -1388,6 +1397,39 @@ impl Family {
         }
         let transposed = self == Family::Gpt2 && CONV1D_WEIGHTS.iter().any(|w| name.ends_with(w));
         (renamed(name, self.renames()), transposed)
+    }
+
+    /// The name `transformers` holds a Strata parameter under in memory, which peft names
+    /// its adapters' tensors by: the name in the family's files (Nemotron-H's under `model.`
+    /// rather than `backbone.`), a LoRA factor's (`{module}.lora_A.weight`, ...) after its
+    /// adapted module's.
+    pub fn memory_name(self, name: &str) -> String {
+        let (module, factor) = split_factor(name);
+        let held = match factor {
+            "" => self.hf_name(name).0,
+            _ => {
+                let weight = self.hf_name(&format!("{module}.weight")).0;
+                weight.strip_suffix(".weight").unwrap_or(&weight).to_string()
+            }
+        };
+        let held = match (self, held.strip_prefix("backbone.")) {
+            (Family::NemotronH, Some(rest)) => format!("model.{rest}"),
+            _ => held,
+        };
+        format!("{held}{factor}")
+    }
+
+    /// The Strata parameter a name [`Family::memory_name`] gives stands for; `None` for a
+    /// buffer of the family's that is no parameter.
+    pub fn from_memory_name(self, name: &str) -> Option<String> {
+        let (module, factor) = split_factor(name);
+        match factor {
+            "" => self.strata_name(name).map(|(n, _)| n),
+            _ => {
+                let (weight, _) = self.strata_name(&format!("{module}.weight"))?;
+                Some(format!("{}{factor}", weight.strip_suffix(".weight").unwrap_or(&weight)))
+            }
+        }
     }
 
     /// Strata's names of the parameters the family's files name otherwise, and theirs.

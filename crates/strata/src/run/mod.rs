@@ -1009,6 +1009,10 @@ pub fn train(
             fan_in_fan_out: matches!(model.config, Some(ModelConfig::Gpt(_))),
             classifier: matches!(&model.config, Some(ModelConfig::Llama(c)) if c.head == DecoderHead::Reward),
             release: config.init.iter().any(|i| matches!(i, InitialWeights::Folder(m) if m.release.is_some())),
+            family: config.init.iter().find_map(|i| match i {
+                InitialWeights::Folder(m) => Some(m.family),
+                _ => None,
+            }),
         };
         trainer
             .save_weights(WeightsTarget::Adapter(&out), leader)
@@ -1500,11 +1504,16 @@ fn base_record(init: &[InitialWeights]) -> Result<BaseRecord> {
 /// Loads the run's initial weights into `engine` (one part of the model: each takes the
 /// parameters it holds), in order.
 fn load_initial_weights(init: &[InitialWeights], engine: &mut Engine) -> Result<()> {
+    // An adapter's keys are its base folder's module names.
+    let family = init.iter().find_map(|i| match i {
+        InitialWeights::Folder(m) => Some(m.family),
+        _ => None,
+    });
     for weights in init {
         match weights {
             InitialWeights::File(path) => crate::io::load_weights(engine, path)?,
             InitialWeights::Folder(dir) => crate::io::load_model_dir(engine, dir)?,
-            InitialWeights::Adapter(dir) => crate::io::load_adapter(engine, dir)?,
+            InitialWeights::Adapter(dir) => crate::io::load_adapter(engine, dir, family)?,
         }
     }
     Ok(())

@@ -75,7 +75,7 @@ fn adapted_engine(dir: &Path, lora: &LoraConfig, adapter: &Path) -> Engine {
     lora.apply(&mut spec).unwrap();
     let mut engine = Engine::new(spec, EngineConfig::default()).unwrap();
     load_model_dir(&mut engine, &folder).unwrap();
-    load_adapter(&mut engine, adapter).unwrap();
+    load_adapter(&mut engine, adapter, Some(folder.family)).unwrap();
     engine
 }
 
@@ -146,6 +146,7 @@ fn lora_matches_peft_merging_within(family: &str, peft_config: Value, merged_bou
         fan_in_fan_out: family == "gpt2",
         classifier: false,
         release: from_pretrained_dir(&dir).unwrap().release.is_some(),
+        family: Some(from_pretrained_dir(&dir).unwrap().family),
     };
     save_weights(&mut engine, WeightsTarget::Adapter(&out), true).unwrap();
     let (mine, peft_trained, first) =
@@ -207,10 +208,11 @@ fn refuses_an_adapter_lacking_a_factor(family: &str, dir: &Path, lora: &LoraConf
     std::fs::copy(adapter.join("adapter_config.json"), lacking.join("adapter_config.json")).unwrap();
     let bytes = strata::io::to_safetensors(factors.iter().map(|(k, t)| (k.as_str(), t))).unwrap();
     std::fs::write(lacking.join("adapter_model.safetensors"), bytes).unwrap();
-    let mut spec = from_pretrained_dir(dir).unwrap().spec().unwrap();
+    let folder = from_pretrained_dir(dir).unwrap();
+    let mut spec = folder.spec().unwrap();
     lora.apply(&mut spec).unwrap();
     let mut engine = Engine::new(spec, EngineConfig::default()).unwrap();
-    let err = load_adapter(&mut engine, &lacking).unwrap_err().to_string();
+    let err = load_adapter(&mut engine, &lacking, Some(folder.family)).unwrap_err().to_string();
     assert!(err.contains(&format!("missing {key:?}")), "{family}: {err}");
 }
 
@@ -262,6 +264,17 @@ fn mistral4_lora_of_latent_attention_and_experts_matches_peft() {
         "mistral4",
         json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_b_proj", "kv_b_proj", "o_proj"],
                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+    );
+}
+
+/// Nemotron-H, whose files and modules name every sub-layer `mixer`: LoRA on attention,
+/// the Mamba-2 mixers' projections and the feed-forwards (the shared experts' among them)
+/// reads peft's adapter under those names and writes one peft reads.
+#[test]
+fn nemotron_h_lora_of_its_mixers_matches_peft() {
+    lora_matches_peft(
+        "nemotron-h",
+        json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "in_proj", "up_proj", "down_proj"]}),
     );
 }
 
