@@ -258,6 +258,10 @@ const OLMO_HYBRID_NAMES: [(&str, &str); 2] = [
     ("post_attention_layernorm.weight", "feedforward_layer_norm.weight"),
 ];
 
+/// OLMo Hybrid's block norms as `transformers` renames them in memory (Strata's names).
+const OLMO_HYBRID_NAMES_IN_MEMORY: [(&str, &str); 2] =
+    [(".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm.")];
+
 /// Bamba's names of Strata's parameters (its final norm `final_layernorm`).
 const BAMBA_NAMES: [(&str, &str); 5] = [
     ("post_attention_layernorm.weight", "pre_ff_layernorm.weight"),
@@ -1400,9 +1404,9 @@ impl Family {
     }
 
     /// The name `transformers` holds a Strata parameter under in memory, which peft names
-    /// its adapters' tensors by: the name in the family's files (Nemotron-H's under `model.`
-    /// rather than `backbone.`), a LoRA factor's (`{module}.lora_A.weight`, ...) after its
-    /// adapted module's.
+    /// its adapters' tensors by: the name in the family's files as `transformers` renames it
+    /// on reading ([`Family::memory_renames`]), a LoRA factor's (`{module}.lora_A.weight`,
+    /// ...) after its adapted module's.
     pub fn memory_name(self, name: &str) -> String {
         let (module, factor) = split_factor(name);
         let held = match factor {
@@ -1412,23 +1416,37 @@ impl Family {
                 weight.strip_suffix(".weight").unwrap_or(&weight).to_string()
             }
         };
-        let held = match (self, held.strip_prefix("backbone.")) {
-            (Family::NemotronH, Some(rest)) => format!("model.{rest}"),
-            _ => held,
-        };
-        format!("{held}{factor}")
+        self.renamed_in_memory(&format!("{held}{factor}"))
+    }
+
+    /// A name of the family's files as `transformers` renames it on reading.
+    pub fn renamed_in_memory(self, name: &str) -> String {
+        self.memory_renames().iter().fold(name.to_string(), |held, (file, memory)| held.replacen(file, memory, 1))
     }
 
     /// The Strata parameter a name [`Family::memory_name`] gives stands for; `None` for a
     /// buffer of the family's that is no parameter.
     pub fn from_memory_name(self, name: &str) -> Option<String> {
-        let (module, factor) = split_factor(name);
+        let name = self.memory_renames().iter().fold(name.to_string(), |n, (file, memory)| n.replacen(memory, file, 1));
+        let (module, factor) = split_factor(&name);
         match factor {
-            "" => self.strata_name(name).map(|(n, _)| n),
+            "" => self.strata_name(module).map(|(n, _)| n),
             _ => {
                 let (weight, _) = self.strata_name(&format!("{module}.weight"))?;
                 Some(format!("{}{factor}", weight.strip_suffix(".weight").unwrap_or(&weight)))
             }
+        }
+    }
+
+    /// What `transformers` 5 renames in the family's file names as it reads them (its
+    /// conversion mapping), each (in the files, in memory).
+    fn memory_renames(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Family::Mixtral | Family::MiniMaxM2 => &[(".block_sparse_moe.", ".mlp.")],
+            Family::GraniteMoe | Family::GraniteMoeHybrid => &[(".router.layer.", ".router.")],
+            Family::OlmoHybrid => &OLMO_HYBRID_NAMES_IN_MEMORY,
+            Family::NemotronH => &[("backbone.", "model.")],
+            _ => &[],
         }
     }
 
@@ -4939,6 +4957,69 @@ mod tests {
         let kept = read(Family::OlmoHybrid, json!({"linear_allow_neg_eigval": false, "num_hidden_layers": 8})).unwrap();
         assert!(!kept.linear_attention.unwrap().doubled_beta);
         assert_eq!(kept.layer_types.unwrap().iter().filter(|&&t| t == Full).count(), 2);
+    }
+
+    /// peft names adapters as `transformers` holds the modules in memory: the family's file
+    /// names as its conversion renames them on reading; a LoRA strategy's targets may use
+    /// those names beside Strata's.
+    #[test]
+    fn adapters_take_the_names_transformers_holds_modules_by() {
+        let pairs = [
+            (
+                Family::NemotronH,
+                "model.layers.0.mamba.in_proj.lora_A.weight",
+                "model.layers.0.mixer.in_proj.lora_A.weight",
+            ),
+            (Family::NemotronH, "model.embed_tokens.weight", "model.embeddings.weight"),
+            (
+                Family::Lfm2,
+                "model.layers.1.mlp.gate_proj.lora_B.weight",
+                "model.layers.1.feed_forward.w1.lora_B.weight",
+            ),
+            (Family::Mixtral, "model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.mlp.gate.weight"),
+            (
+                Family::Mixtral,
+                "model.layers.0.block_sparse_moe.experts.base_layer.lora_A.weight",
+                "model.layers.0.mlp.experts.base_layer.lora_A.weight",
+            ),
+            (
+                Family::GraniteMoe,
+                "model.layers.2.block_sparse_moe.router.layer.weight",
+                "model.layers.2.block_sparse_moe.router.weight",
+            ),
+            (Family::OlmoHybrid, "model.layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight"),
+            (
+                Family::Llama,
+                "model.layers.0.self_attn.q_proj.lora_A.weight",
+                "model.layers.0.self_attn.q_proj.lora_A.weight",
+            ),
+        ];
+        for (family, strata, held) in pairs {
+            assert_eq!(family.memory_name(strata), held, "{family:?}");
+            assert_eq!(family.from_memory_name(held).as_deref(), Some(strata), "{family:?}");
+        }
+        let lfm2 = read(
+            Family::Lfm2,
+            json!({"layer_types": ["conv", "full_attention", "conv"], "block_auto_adjust_ff_dim": false}),
+        )
+        .unwrap();
+        let mut spec = ModelConfig::Llama(lfm2).spec().unwrap();
+        let strategy =
+            crate::strategy::Strategy::from_value(&json!([["lora", {"r": 2, "target_modules": ["w1", "out_proj"]}]]));
+        strategy.unwrap().lora().unwrap().apply(&mut spec).unwrap();
+        let mut adapted: Vec<&str> = spec.adapters.keys().map(|w| spec.params[w.0].name.as_str()).collect();
+        adapted.sort_unstable();
+        assert_eq!(
+            adapted,
+            [
+                "model.layers.0.conv.out_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight",
+                "model.layers.1.mlp.gate_proj.weight",
+                "model.layers.1.self_attn.o_proj.weight",
+                "model.layers.2.conv.out_proj.weight",
+                "model.layers.2.mlp.gate_proj.weight",
+            ]
+        );
     }
 
     /// Nemotron-H's names: everything under `backbone.`, each layer's norm `norm` and its one

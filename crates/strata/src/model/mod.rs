@@ -113,7 +113,7 @@ impl ModelConfig {
     pub fn spec(&self) -> Result<ModelSpec> {
         let mut b = Builder::new();
         self.build(&mut b)?;
-        b.build()
+        Ok(ModelSpec { family: Family::of(self).ok(), ..b.build()? })
     }
 
     /// How many token types (parts of a text pair) the model embeds, where it takes them.
@@ -861,6 +861,10 @@ pub struct ModelSpec {
     /// Some unit drops activations when it trains (its configuration's dropout rates are
     /// not all zero).
     pub dropout: bool,
+    /// The Hugging Face family the model is written as, whose module names (as
+    /// `transformers` holds them) a LoRA strategy's targets may use beside Strata's; `None`
+    /// for a model of units alone.
+    pub family: Option<Family>,
 }
 
 /// A sparse layer's routed experts as `transformers` stacks them in one module
@@ -1103,6 +1107,7 @@ impl Builder {
             load_balance: self.load_balance,
             expert_sets: self.expert_sets,
             dropout: self.dropout,
+            family: None,
         })
     }
 

@@ -75,6 +75,7 @@ impl Model {
         let mut b = Builder::new();
         (self.build)(&mut b)?;
         let mut spec = b.build()?;
+        spec.family = self.config.as_ref().and_then(|c| crate::model::Family::of(c).ok());
         if let Some(lora) = lora {
             lora.apply(&mut spec)?;
         }

@@ -372,15 +372,27 @@ impl LoraConfig {
     /// that names no linear layer is an error listing the model's linear layers, and so is a
     /// choice that leaves none.
     pub fn targets(&self, spec: &ModelSpec) -> Result<Vec<ParamId>> {
-        let linear: Vec<(ParamId, &str)> = spec
+        // Each linear layer by Strata's module name and, where it differs, its family's.
+        let linear: Vec<(ParamId, Vec<String>)> = spec
             .params
             .iter()
             .enumerate()
             .filter(|(_, p)| p.linear)
-            .map(|(i, p)| (ParamId(i), module_of(&p.name)))
+            .map(|(i, p)| {
+                let mut known = vec![module_of(&p.name).to_string()];
+                if let Some(family) = spec.family {
+                    let held = module_of(&family.memory_name(&p.name)).to_string();
+                    if held != known[0] {
+                        known.push(held);
+                    }
+                }
+                (ParamId(i), known)
+            })
             .collect();
+        let any = |known: &[String], test: &dyn Fn(&str) -> bool| known.iter().any(|m| test(m));
         let unmatched = |what: String| {
-            let mut short: Vec<&str> = linear.iter().map(|(_, m)| m.rsplit('.').next().unwrap_or(m)).collect();
+            let mut short: Vec<&str> =
+                linear.iter().flat_map(|(_, known)| known).map(|m| m.rsplit('.').next().unwrap_or(m)).collect();
             short.sort_unstable();
             short.dedup();
             Error::Config(format!(
@@ -388,21 +400,21 @@ impl LoraConfig {
                 if short.is_empty() { "none".to_string() } else { short.join(", ") }
             ))
         };
-        let chosen: Vec<&(ParamId, &str)> = match &self.target_modules {
+        let chosen: Vec<&(ParamId, Vec<String>)> = match &self.target_modules {
             Targets::Names(list) if list.is_empty() => return Ok(vec![]),
             Targets::Names(list) => {
-                if let Some(t) = list.iter().find(|t| !linear.iter().any(|(_, m)| names(m, t))) {
+                if let Some(t) = list.iter().find(|t| !linear.iter().any(|(_, known)| any(known, &|m| names(m, t)))) {
                     return Err(unmatched(format!("{t:?}")));
                 }
                 let named = |m: &str| {
                     list.iter().any(|t| t == m) || (list.iter().any(|t| names(m, t)) && self.in_kept_layer(m))
                 };
-                linear.iter().filter(|(_, m)| named(m)).collect()
+                linear.iter().filter(|(_, known)| any(known, &named)).collect()
             }
             Targets::Pattern(p) if p == "all-linear" => linear.iter().collect(),
             Targets::Pattern(p) => {
                 let pattern = regex("target_modules", whole(p))?;
-                linear.iter().filter(|(_, m)| pattern.is_match(m)).collect()
+                linear.iter().filter(|(_, known)| any(known, &|m| pattern.is_match(m))).collect()
             }
         };
         if let Some(kept) = self.kept_layers().filter(|_| chosen.is_empty()) {
@@ -413,7 +425,8 @@ impl LoraConfig {
         if chosen.is_empty() {
             return Err(unmatched(format!("{:?}", self.targets_text())));
         }
-        let kept: Vec<ParamId> = chosen.iter().filter(|(_, m)| !self.excludes(m)).map(|(id, _)| *id).collect();
+        let kept: Vec<ParamId> =
+            chosen.iter().filter(|(_, known)| !any(known, &|m| self.excludes(m))).map(|(id, _)| *id).collect();
         if kept.is_empty() && self.target_parameters.is_empty() {
             return Err(Error::Config(format!(
                 "lora: exclude_modules and modules_to_save leave none of the {} layers target_modules names",
@@ -471,15 +484,15 @@ impl LoraConfig {
     /// ([`expert_parameters`]) `target_parameters` names; a name that names none of the
     /// model's is an error listing them.
     fn expert_targets(&self, spec: &ModelSpec) -> Result<Vec<[bool; 2]>> {
-        let named = |set: &ExpertSet, part: &str| {
+        // Whether target `t` names a stacked parameter, by Strata's name or as `transformers`
+        // holds it.
+        let named_by = |set: &ExpertSet, part: &str, t: &str| {
             let key = format!("{}.{part}", set.module);
-            self.target_parameters.iter().any(|t| names(&key, t))
+            names(&key, t) || spec.family.is_some_and(|f| names(&f.renamed_in_memory(&key), t))
         };
+        let named = |set: &ExpertSet, part: &str| self.target_parameters.iter().any(|t| named_by(set, part, t));
         if let Some(t) = self.target_parameters.iter().find(|t| {
-            !spec
-                .expert_sets
-                .iter()
-                .any(|set| expert_parameters(set).iter().any(|part| names(&format!("{}.{part}", set.module), t)))
+            !spec.expert_sets.iter().any(|set| expert_parameters(set).iter().any(|part| named_by(set, part, t)))
         }) {
             let known = match spec.expert_sets.first() {
                 None => "none: it has no experts".to_string(),

@@ -268,13 +268,14 @@ fn mistral4_lora_of_latent_attention_and_experts_matches_peft() {
 }
 
 /// Nemotron-H, whose files and modules name every sub-layer `mixer`: LoRA on attention,
-/// the Mamba-2 mixers' projections and the feed-forwards (the shared experts' among them)
-/// reads peft's adapter under those names and writes one peft reads.
+/// the Mamba-2 mixers' projections (named as peft names them, `mixer.in_proj`) and the
+/// feed-forwards (the shared experts' among them) reads peft's adapter under those names
+/// and writes one peft reads.
 #[test]
 fn nemotron_h_lora_of_its_mixers_matches_peft() {
     lora_matches_peft(
         "nemotron-h",
-        json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "in_proj", "up_proj", "down_proj"]}),
+        json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "mixer.in_proj", "up_proj", "down_proj"]}),
     );
 }
 
