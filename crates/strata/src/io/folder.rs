@@ -73,7 +73,7 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
 /// joined and cut again at the widths of its queries, keys and values: `transformers` 5
 /// writes them cut in equal thirds (and joins them again on reading), where its releases
 /// cut them at those widths.
-fn recut_convolutions(named: &mut Vec<(String, String, Tensor)>, c: &LlamaConfig) -> Result<()> {
+fn recut_convolutions(named: &mut [(String, String, Tensor)], c: &LlamaConfig) -> Result<()> {
     const PIECES: [&str; 3] = ["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"];
     let Some(l) = &c.linear_attention else { return Ok(()) };
     let widths = [l.key_heads * l.key_dim, l.key_heads * l.key_dim, l.value_heads * l.value_dim];
