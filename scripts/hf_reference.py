@@ -513,6 +513,15 @@ def decoder_families():
             rope_parameters={"rope_type": "default", "rope_theta": 500.0}, mamba_n_heads=8, mamba_n_groups=1,
             mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
             time_step_limit=(0.0, 1.2))),
+        # dots.llm1: Qwen3's attention sliding (a window of 8) on its last layer, over
+        # DeepSeek-V3's routing: eight experts in two groups, two per token from the best
+        # group, sigmoid scores plus a choice bias, renormalised times 2, a shared expert, the
+        # first layer dense.
+        "dots1": lambda: (tf.Dots1ForCausalLM, tf.Dots1Config(
+            **common, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=12, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+            norm_topk_prob=True, sliding_window=8, max_window_layers=2, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # OLMo Hybrid as released: OLMo 3's attention (norms after each sub-layer, query/key
         # norms over whole projections) turning no position on one layer of four, Gated
         # DeltaNet on the others (two key heads serving four value heads, betas doubled)

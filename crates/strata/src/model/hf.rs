@@ -158,6 +158,9 @@ pub enum Family {
     MiniMaxM2,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
     Qwen2Moe,
+    /// dots.llm1 (`dots1`): Qwen3's attention (windows from `max_window_layers` on, where
+    /// a window is set) over DeepSeek-V3's experts, shared experts and routing.
+    Dots1,
     /// Qwen3-MoE (`qwen3_moe`): Qwen3's decoder with experts.
     Qwen3Moe,
     /// Qwen3-VL-MoE's language model (`qwen3_vl_moe_text`): Qwen3-VL's layers with experts,
@@ -339,7 +342,7 @@ fn split_factor(name: &str) -> (&str, &str) {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 54] = [
+const FAMILIES: [Family; 55] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -378,6 +381,7 @@ const FAMILIES: [Family; 54] = [
     Family::MiniMaxM2,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
+    Family::Dots1,
     Family::Qwen3VlMoe,
     Family::Olmoe,
     Family::Olmo2,
@@ -437,6 +441,7 @@ impl Family {
             Family::MiniMaxM2 => "minimax_m2",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Dots1 => "dots1",
             Family::Qwen3VlMoe => "qwen3_vl_moe_text",
             Family::Olmoe => "olmoe",
             Family::Olmo2 => "olmo2",
@@ -509,6 +514,7 @@ impl Family {
             Family::MiniMaxM2 => "MiniMaxM2",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
+            Family::Dots1 => "Dots1",
             Family::Qwen3VlMoe => "Qwen3VLMoeText",
             Family::Olmoe => "Olmoe",
             Family::Olmo2 => "Olmo2",
@@ -549,6 +555,7 @@ impl Family {
                 | Family::GraniteMoe
                 | Family::GraniteMoeHybrid
                 | Family::NemotronH
+                | Family::Dots1
                 | Family::OlmoHybrid
                 | Family::Lfm2
                 | Family::Lfm2Moe
@@ -618,8 +625,8 @@ impl Family {
                 _ => None,
             },
             window: match self {
-                Mistral | Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 | Exaone4
-                | Cohere2 => Some(4096),
+                Mistral | Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | Dots1 | Gemma2 | Gemma3 | Olmo3
+                | Exaone4 | Cohere2 => Some(4096),
                 GptOss => Some(128),
                 Gemma4 => Some(512),
                 _ => None,
@@ -630,7 +637,7 @@ impl Family {
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2
                 | Lfm2Moe | Bamba | NemotronH => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
-                Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
+                Exaone4 | Qwen2 | Qwen3 | Qwen3Vl | Dots1 => Some(32),
                 _ => None,
             },
         }
@@ -687,7 +694,7 @@ impl Family {
         match self {
             Family::Mixtral => Family::Mistral,
             Family::Qwen2Moe => Family::Qwen2,
-            Family::Qwen3Moe => Family::Qwen3,
+            Family::Qwen3Moe | Family::Dots1 => Family::Qwen3,
             Family::Qwen3VlMoe => Family::Qwen3Vl,
             Family::Qwen3_5Moe => Family::Qwen3_5,
             Family::Ernie4_5Moe => Family::Ernie4_5,
@@ -736,7 +743,12 @@ impl Family {
     fn routes_like_deepseek(self) -> bool {
         matches!(
             self,
-            Family::DeepseekV3 | Family::DeepseekV2 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe
+            Family::DeepseekV3
+                | Family::DeepseekV2
+                | Family::Glm4MoeLite
+                | Family::Mistral4
+                | Family::Glm4Moe
+                | Family::Dots1
         )
     }
 
@@ -768,7 +780,8 @@ impl Family {
     /// scores), GLM-4.7-Flash (latent attention with dense
     /// layers other than the first ones), DeepSeek-V3 (latent attention),
     /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), MiniMax-M2
-    /// (Mixtral's names with DeepSeek's routing), GLM-4.5
+    /// (Mixtral's names with DeepSeek's routing), dots.llm1 (DeepSeek's routing under
+    /// Qwen3's attention), GLM-4.5
     /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
     /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as LFM2 (short convolutions),
     /// OLMo Hybrid (linear attention's projections apart), Qwen3.5 (linear
@@ -823,6 +836,15 @@ impl Family {
                 c if c.linear_attention.is_some() => Family::Qwen3Next,
                 _ if moe.names == ExpertNames::Stacked => Family::GptOss,
                 _ if moe.names == ExpertNames::BlockSparse && deepseek_routing(moe) => Family::MiniMaxM2,
+                // Qwen3's attention (per-head norms, whole heads turned, no biases).
+                c if deepseek_routing(moe)
+                    && c.qk_norm
+                    && !c.qk_norm_whole
+                    && c.partial_rotary == 1.0
+                    && !c.qkv_bias =>
+                {
+                    Family::Dots1
+                }
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
                 _ if moe.names == ExpertNames::InputOutputLinear => Family::GraniteMoe,
@@ -2207,7 +2229,7 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
     }
     match family {
-        Family::DeepseekV3 | Family::DeepseekV2 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe => {
+        family if family.routes_like_deepseek() => {
             v["n_routed_experts"] = json!(moe.experts);
             v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
             v["n_shared_experts"] = json!(moe.shared_expert_dim.map_or(0, |w| w / moe.expert_ffn_dim));
@@ -4282,10 +4304,16 @@ impl Keys<'_> {
             Family::Glm4MoeLite => (64, 4, 1536, 1, 1, 1, 1.8),
             Family::Mistral4 => (128, 4, 2048, 0, 1, 1, 1.0),
             Family::DeepseekV2 => (64, 6, 1407, 0, 1, 1, 1.0),
+            Family::Dots1 => (0, 0, 1408, 0, 1, 1, 1.0),
             _ => (128, 8, 1408, 1, 1, 1, 1.0),
         };
+        // dots.llm1's class has no counts of its own: a folder names them.
+        let dots1 = family == Family::Dots1;
         let width = self.int("moe_intermediate_size")?.unwrap_or(width);
-        let shared = self.int("n_shared_experts")?.unwrap_or(if v2 { 2 } else { 1 });
+        let shared = match dots1 {
+            true => self.required("n_shared_experts")?,
+            false => self.int("n_shared_experts")?.unwrap_or(if v2 { 2 } else { 1 }),
+        };
         // GLM-4.7-Flash names each layer dense or sparse (the first dense by default).
         let dense_layers = match family {
             Family::Glm4MoeLite => self.mlp_layer_types(first_dense)?,
@@ -4293,7 +4321,7 @@ impl Keys<'_> {
         };
         Ok(MoeConfig {
             // DeepSeek-V2's router never renormalises, whatever norm_topk_prob says.
-            norm_topk: !v2 && self.flag("norm_topk_prob")?.unwrap_or(true),
+            norm_topk: !v2 && self.flag("norm_topk_prob")?.unwrap_or(!dots1),
             shared_expert_dim: (shared > 0).then_some(shared * width),
             shared_gate: false,
             scoring: if softmax { Scoring::Softmax } else { Scoring::Sigmoid },
@@ -4311,10 +4339,11 @@ impl Keys<'_> {
                 match (self.int("n_routed_experts")?, self.int("num_experts")?.filter(|_| v2)) {
                     (_, Some(n)) => n,
                     (Some(n), None) => n,
+                    (None, None) if dots1 => self.required("n_routed_experts")?,
                     (None, None) => self.int("num_local_experts")?.filter(|_| mistral4).unwrap_or(experts),
                 },
                 // DeepSeek-V2's class has no count of its own: a folder names it.
-                if v2 {
+                if v2 || dots1 {
                     self.required("num_experts_per_tok")?
                 } else {
                     self.int("num_experts_per_tok")?.unwrap_or(top_k)
@@ -4365,6 +4394,11 @@ impl Keys<'_> {
                 Some(types)
             }
             (Some(types), _) => Some(types),
+            // dots.llm1 slides from max_window_layers on where a window is set.
+            (None, Dots1) => {
+                let first = self.int("max_window_layers")?.unwrap_or(62);
+                Some(derived(&|i| window.is_some() && i >= first))
+            }
             (None, Qwen2 | Qwen2_5Vl | Qwen3) => {
                 let first = self.int("max_window_layers")?.unwrap_or(if family == Qwen2_5Vl { 80 } else { 28 });
                 Some(derived(&|i| window.is_some() && i >= first))
@@ -4874,6 +4908,11 @@ mod tests {
         assert_eq!((0..3).map(|l| granite.is_linear(l)).collect::<Vec<_>>(), [true, false, true]);
         let v2 = read(Family::DeepseekV2, json!({"num_experts": 6, "n_routed_experts": 4, "num_experts_per_tok": 2}));
         assert_eq!(v2.unwrap().moe.map(|m| m.experts), Some(6));
+        // dots.llm1's class leaves its routing weights as they are unless asked.
+        let dots1 =
+            read(Family::Dots1, json!({"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}));
+        let moe = dots1.unwrap().moe.unwrap();
+        assert_eq!((moe.norm_topk, moe.shared_expert_dim, moe.dense_layers.len()), (false, Some(1408), 0));
         let refused = [
             (Family::DeepseekV2, json!({}), "num_experts_per_tok is missing"),
             (
@@ -4883,6 +4922,8 @@ mod tests {
             ),
             (Family::Bamba, json!({"mamba_n_heads": 4, "z_loss_coefficient": 0.1}), "z-loss"),
             (Family::Lfm2Moe, json!({"num_experts": 4, "num_experts_per_tok": 2}), "layer_types is missing"),
+            (Family::Dots1, json!({"num_experts_per_tok": 2, "n_shared_experts": 1}), "n_routed_experts is missing"),
+            (Family::Dots1, json!({"n_routed_experts": 4, "num_experts_per_tok": 2}), "n_shared_experts is missing"),
             (
                 Family::GraniteMoeHybrid,
                 json!({"num_local_experts": 0, "mamba_n_heads": 4, "time_step_limit": ["Infinity", 1.0]}),

@@ -766,6 +766,13 @@ fn granite4_dense_matches_transformers() {
     family_matches_transformers("granite4-dense", 24);
 }
 
+/// dots.llm1: Qwen3's attention, sliding on its last layer, over DeepSeek-V3's grouped
+/// sigmoid routing with a choice bias, a shared expert and a dense first layer.
+#[test]
+fn dots1_matches_transformers() {
+    family_matches_transformers("dots1", 24);
+}
+
 /// OLMo Hybrid as released: OLMo 3's attention turning no position beside Gated DeltaNet
 /// layers with their projections apart and their betas doubled, each kind of layer normed
 /// its own way.
@@ -1843,6 +1850,11 @@ fn left_out_keys_take_each_configuration_class_defaults() {
         if model_type == "deepseek_v2" {
             sizes["num_experts_per_tok"] = 2.into();
         }
+        if model_type == "dots1" {
+            for (key, value) in [("num_experts_per_tok", 2), ("n_routed_experts", 4), ("n_shared_experts", 1)] {
+                sizes[key] = value.into();
+            }
+        }
         if matches!(model_type, "granitemoehybrid" | "bamba") && heads == 4 {
             sizes["mamba_n_heads"] = 4.into();
         }
@@ -1868,8 +1880,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 51] = [
+const DECODER_TYPES: [&str; 52] = [
     "llama",
+    "dots1",
     "nemotron_h",
     "olmo_hybrid",
     "bamba",
