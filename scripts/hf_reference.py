@@ -513,6 +513,14 @@ def decoder_families():
             rope_parameters={"rope_type": "default", "rope_theta": 500.0}, mamba_n_heads=8, mamba_n_groups=1,
             mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
             time_step_limit=(0.0, 1.2))),
+        # Solar Open: LLaMA's attention with biases on the query, key and value projections
+        # alone, eight experts on every layer in two groups, two per token from the best
+        # group, sigmoid scores plus a choice bias, renormalised times 1.5, a shared expert.
+        "solar-open": lambda: (tf.SolarOpenForCausalLM, tf.SolarOpenConfig(
+            **{k: v for k, v in common.items() if k != "intermediate_size"}, head_dim=8, num_hidden_layers=2,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=12, n_group=2,
+            topk_group=1, routed_scaling_factor=1.5, attention_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # dots.llm1: Qwen3's attention sliding (a window of 8) on its last layer, over
         # DeepSeek-V3's routing: eight experts in two groups, two per token from the best
         # group, sigmoid scores plus a choice bias, renormalised times 2, a shared expert, the

@@ -201,6 +201,7 @@ fn newer_families_train_split_as_one_process() {
         ("lfm2-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("deepseek-v2", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("dots1", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("solar-open", "tensor 2", TENSOR),
         ("olmo-hybrid", "fsdp", r#"["fsdp"]"#),
         ("nemotron-h", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("nemotron-h", "pipeline 2", PIPELINE),

@@ -190,6 +190,9 @@ pub enum Family {
     /// position (as Ministral 3's), softmax routing without a choice bias, shared experts,
     /// the experts stacked on disk.
     Mistral4,
+    /// Solar Open (`solar_open`): LLaMA's attention (biases on the query, key and value
+    /// projections alone, by `attention_bias`) over GLM-4.5's experts on every layer.
+    SolarOpen,
     /// GLM-4.5 (`glm4_moe`): DeepSeek-V3's routing and shared experts under grouped-query
     /// attention with a partial rotation, biases on the query, key and value projections
     /// and optional query/key norms.
@@ -342,7 +345,7 @@ fn split_factor(name: &str) -> (&str, &str) {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 55] = [
+const FAMILIES: [Family; 56] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -392,6 +395,7 @@ const FAMILIES: [Family; 55] = [
     Family::Glm4MoeLite,
     Family::Mistral4,
     Family::Glm4Moe,
+    Family::SolarOpen,
     Family::GptOss,
     Family::Qwen3Next,
     Family::Qwen3_5,
@@ -453,6 +457,7 @@ impl Family {
             Family::DeepseekV2 => "deepseek_v2",
             Family::NemotronH => "nemotron_h",
             Family::Glm4Moe => "glm4_moe",
+            Family::SolarOpen => "solar_open",
             Family::GptOss => "gpt_oss",
             Family::Qwen3Next => "qwen3_next",
             Family::Qwen3_5 => "qwen3_5_text",
@@ -525,6 +530,7 @@ impl Family {
             Family::Mistral4 => "Mistral4",
             Family::DeepseekV2 => "DeepseekV2",
             Family::Glm4Moe => "Glm4Moe",
+            Family::SolarOpen => "SolarOpen",
             Family::GptOss => "GptOss",
             Family::Qwen3Next => "Qwen3Next",
             Family::Qwen3_5 => "Qwen3_5",
@@ -555,6 +561,7 @@ impl Family {
                 | Family::GraniteMoe
                 | Family::GraniteMoeHybrid
                 | Family::NemotronH
+                | Family::SolarOpen
                 | Family::Dots1
                 | Family::OlmoHybrid
                 | Family::Lfm2
@@ -593,6 +600,7 @@ impl Family {
                 Ministral3 => 262_144,
                 Qwen3Vl | Qwen3VlMoe | Lfm2 | Lfm2Moe => 128_000,
                 MiniMaxM2 => 196_608,
+                SolarOpen => 131_072,
                 Glm4MoeLite => 202_752,
                 Apertus | OlmoHybrid => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron | NemotronH => 4096,
@@ -606,7 +614,9 @@ impl Family {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba | NemotronH => 1e-5,
+                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba | NemotronH | SolarOpen => {
+                    1e-5
+                }
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -616,11 +626,13 @@ impl Family {
                 Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl | Qwen3VlMoe => 500_000.0,
                 Apertus => 12_000_000.0,
                 MiniMaxM2 => 5_000_000.0,
+                SolarOpen => 1_000_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
                 Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
-                Qwen3 | Qwen3Vl | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 | MiniMaxM2 | NemotronH => Some(128),
+                Qwen3 | Qwen3Vl | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 | MiniMaxM2 | NemotronH
+                | SolarOpen => Some(128),
                 GptOss => Some(64),
                 _ => None,
             },
@@ -635,7 +647,7 @@ impl Family {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2
-                | Lfm2Moe | Bamba | NemotronH => Some(8),
+                | Lfm2Moe | Bamba | NemotronH | SolarOpen => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl | Dots1 => Some(32),
                 _ => None,
@@ -708,6 +720,7 @@ impl Family {
             | Family::Glm4MoeLite
             | Family::Mistral4
             | Family::Glm4Moe
+            | Family::SolarOpen
             | Family::GptOss
             | Family::Llama4
             | Family::Qwen3Next => Family::Llama,
@@ -749,6 +762,7 @@ impl Family {
                 | Family::Mistral4
                 | Family::Glm4Moe
                 | Family::Dots1
+                | Family::SolarOpen
         )
     }
 
@@ -781,7 +795,8 @@ impl Family {
     /// layers other than the first ones), DeepSeek-V3 (latent attention),
     /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), MiniMax-M2
     /// (Mixtral's names with DeepSeek's routing), dots.llm1 (DeepSeek's routing under
-    /// Qwen3's attention), GLM-4.5
+    /// Qwen3's attention), Solar Open (DeepSeek's routing on every layer under LLaMA's
+    /// attention), GLM-4.5
     /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
     /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as LFM2 (short convolutions),
     /// OLMo Hybrid (linear attention's projections apart), Qwen3.5 (linear
@@ -844,6 +859,10 @@ impl Family {
                     && !c.qkv_bias =>
                 {
                     Family::Dots1
+                }
+                // No query/key norms, no dense layers, whole heads turned.
+                c if deepseek_routing(moe) && !c.qk_norm && moe.dense_layers.is_empty() && c.partial_rotary == 1.0 => {
+                    Family::SolarOpen
                 }
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
@@ -1236,7 +1255,14 @@ impl Family {
                 ) && c.qkv_bias != c.o_bias,
                 "a bias on some attention projections alone",
             ),
-            (matches!(self, Family::Glm4Moe | Family::Glm4) && c.o_bias, "a bias on the attention output"),
+            (
+                matches!(self, Family::Glm4Moe | Family::Glm4 | Family::SolarOpen) && c.o_bias,
+                "a bias on the attention output",
+            ),
+            (
+                self == Family::SolarOpen && moe.is_some_and(|m| !m.dense_layers.is_empty()),
+                "dense layers among sparse ones",
+            ),
             (c.attention_sinks != (self == Family::GptOss), "attention sinks"),
             (
                 moe.is_some_and(|m| {
@@ -1379,7 +1405,7 @@ impl Family {
                     && !matches!(dense, Family::Phi3 | Family::Glm4 | Family::Gemma4 | Family::Nemotron)
                     && !glm
                     && !next
-                    && !matches!(self, Family::MiniMaxM2 | Family::Bamba),
+                    && !matches!(self, Family::MiniMaxM2 | Family::Bamba | Family::SolarOpen),
                 "a partial rotation",
             ),
             (
@@ -2165,6 +2191,11 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     }
     if let Some(moe) = &c.moe {
         experts_json(family, c, moe, &mut v);
+    }
+    // Keys Solar Open's class does not have.
+    if let (Family::SolarOpen, Some(keys)) = (family, v.as_object_mut()) {
+        keys.remove("intermediate_size");
+        keys.remove("first_k_dense_replace");
     }
     match c.activation {
         Activation::Silu => v["hidden_act"] = json!("silu"),
@@ -3185,6 +3216,8 @@ impl Keys<'_> {
         let class_rope = self.class_rope(family);
         let glm4 = family == Family::Glm4;
         let glm = family == Family::Glm4Moe || glm4;
+        // Solar Open's output projection has no bias, whatever attention_bias says.
+        let solar = family == Family::SolarOpen;
         // Each configuration class's padding token where the key is absent.
         let default_padding = match family {
             Family::Gemma2
@@ -3429,6 +3462,8 @@ impl Keys<'_> {
                 (Some(d), _) => d,
                 // Qwen3.5's experts route every layer, so no dense feed-forward has a width.
                 (None, Some(m)) if qwen3_5_moe => m.expert_ffn_dim,
+                // Solar Open's experts route every layer; its class has no intermediate_size.
+                (_, Some(m)) if solar => m.expert_ffn_dim,
                 (None, _) => self.required("intermediate_size")?,
             }),
             rope_theta: rope.theta,
@@ -3454,7 +3489,7 @@ impl Keys<'_> {
             qkv_bias: (qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
-                _ => !qwen2 && !glm && attention_bias,
+                _ => !qwen2 && !glm && !solar && attention_bias,
             },
             mlp_bias,
             head_dim,
@@ -4305,6 +4340,7 @@ impl Keys<'_> {
             Family::Mistral4 => (128, 4, 2048, 0, 1, 1, 1.0),
             Family::DeepseekV2 => (64, 6, 1407, 0, 1, 1, 1.0),
             Family::Dots1 => (0, 0, 1408, 0, 1, 1, 1.0),
+            Family::SolarOpen => (128, 8, 1280, 0, 1, 1, 1.0),
             _ => (128, 8, 1408, 1, 1, 1, 1.0),
         };
         // dots.llm1's class has no counts of its own: a folder names them.
@@ -4317,6 +4353,8 @@ impl Keys<'_> {
         // GLM-4.7-Flash names each layer dense or sparse (the first dense by default).
         let dense_layers = match family {
             Family::Glm4MoeLite => self.mlp_layer_types(first_dense)?,
+            // Solar Open's class has no dense layers (nor the key).
+            Family::SolarOpen => vec![],
             _ => (0..self.int("first_k_dense_replace")?.unwrap_or(first_dense).max(0)).collect(),
         };
         Ok(MoeConfig {
@@ -4913,6 +4951,10 @@ mod tests {
             read(Family::Dots1, json!({"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}));
         let moe = dots1.unwrap().moe.unwrap();
         assert_eq!((moe.norm_topk, moe.shared_expert_dim, moe.dense_layers.len()), (false, Some(1408), 0));
+        // Solar Open's class has no dense layers and no bias on the attention's output.
+        let solar = read(Family::SolarOpen, json!({"first_k_dense_replace": 2, "attention_bias": true})).unwrap();
+        let moe = solar.moe.as_ref().unwrap();
+        assert_eq!((moe.dense_layers.len(), moe.norm_topk, solar.qkv_bias, solar.o_bias), (0, true, true, false));
         let refused = [
             (Family::DeepseekV2, json!({}), "num_experts_per_tok is missing"),
             (

@@ -766,6 +766,13 @@ fn granite4_dense_matches_transformers() {
     family_matches_transformers("granite4-dense", 24);
 }
 
+/// Solar Open: LLaMA's attention with biases on its query, key and value projections alone,
+/// over DeepSeek-V3's grouped sigmoid routing on every layer beside a shared expert.
+#[test]
+fn solar_open_matches_transformers() {
+    family_matches_transformers("solar-open", 24);
+}
+
 /// dots.llm1: Qwen3's attention, sliding on its last layer, over DeepSeek-V3's grouped
 /// sigmoid routing with a choice bias, a shared expert and a dense first layer.
 #[test]
@@ -1880,8 +1887,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 52] = [
+const DECODER_TYPES: [&str; 53] = [
     "llama",
+    "solar_open",
     "dots1",
     "nemotron_h",
     "olmo_hybrid",
