@@ -89,7 +89,7 @@ impl AdapterOut {
     /// Whether parameter `name` goes into the folder: an adapter's factor or a parameter of
     /// a module saved whole.
     pub(super) fn holds(&self, name: &str, factor: bool) -> bool {
-        factor || self.config.saves(name)
+        factor || self.config.saves_in(name, self.family)
     }
 
     /// The name a parameter takes in the folder.

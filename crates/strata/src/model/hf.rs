@@ -5087,9 +5087,16 @@ mod tests {
         )
         .unwrap();
         let mut spec = ModelConfig::Llama(lfm2).spec().unwrap();
-        let strategy =
-            crate::strategy::Strategy::from_value(&json!([["lora", {"r": 2, "target_modules": ["w1", "out_proj"]}]]));
-        strategy.unwrap().lora().unwrap().apply(&mut spec).unwrap();
+        let lora =
+            json!([["lora", {"r": 2, "target_modules": ["w1", "out_proj"], "modules_to_save": ["embedding_norm"]}]]);
+        crate::strategy::Strategy::from_value(&lora).unwrap().lora().unwrap().apply(&mut spec).unwrap();
+        let trained: Vec<&str> = spec
+            .params
+            .iter()
+            .filter(|p| p.requires_grad && !p.name.contains("lora_"))
+            .map(|p| p.name.as_str())
+            .collect();
+        assert_eq!(trained, ["model.norm.weight"], "LFM2's final norm is its embedding_norm");
         let mut adapted: Vec<&str> = spec.adapters.keys().map(|w| spec.params[w.0].name.as_str()).collect();
         adapted.sort_unstable();
         assert_eq!(

@@ -12,7 +12,7 @@
 //! computes it), and peft's folders stack them ([`expert_factor_name`]).
 
 use crate::model::dropout::adapter_site;
-use crate::model::{Adapter, ExpertSet, Init, ModelSpec, ParamId, ParamSpec, TpRole};
+use crate::model::{Adapter, ExpertSet, Family, Init, ModelSpec, ParamId, ParamSpec, TpRole};
 use crate::{Error, Result};
 use regex::Regex;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -330,6 +330,12 @@ impl LoraConfig {
         self.modules_to_save.iter().any(|m| saved_by(m, module_of(name)))
     }
 
+    /// [`Self::saves`], by Strata's name or by `family`'s module names as `transformers`
+    /// holds them.
+    pub fn saves_in(&self, name: &str, family: Option<Family>) -> bool {
+        self.saves(name) || family.is_some_and(|f| self.saves(&f.memory_name(name)))
+    }
+
     /// The rank and the product's factor of the adapter of `key` (a layer's module name, or
     /// a stacked expert parameter's name): `r` and `alpha` unless a pattern names it.
     fn rank_and_scale(&self, key: &str) -> (i64, f64) {
@@ -525,7 +531,12 @@ impl LoraConfig {
     pub fn apply(&self, spec: &mut ModelSpec) -> Result<()> {
         self.validate()?;
         let targets = self.targets(spec)?;
-        let present = |name: &str| spec.params.iter().any(|p| saved_by(name, module_of(&p.name)));
+        let present = |name: &str| {
+            spec.params.iter().any(|p| {
+                saved_by(name, module_of(&p.name))
+                    || spec.family.is_some_and(|f| saved_by(name, module_of(&f.memory_name(&p.name))))
+            })
+        };
         // peft names both classifier heads; one of them is the model's.
         let both_heads = CLASSIFIER_HEADS.iter().all(|h| self.modules_to_save.iter().any(|m| m == h));
         let a_head_present = CLASSIFIER_HEADS.iter().any(|h| present(h));
@@ -536,7 +547,7 @@ impl LoraConfig {
             }
         }
         for p in spec.params.iter_mut() {
-            p.requires_grad = self.saves(&p.name);
+            p.requires_grad = self.saves_in(&p.name, spec.family);
         }
         // Adapters' dropout draws masks by step, as the model's own sites do.
         spec.dropout |= self.dropout > 0.0;
