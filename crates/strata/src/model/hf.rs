@@ -1252,6 +1252,8 @@ impl Family {
                         | Family::Mistral4
                         | Family::GptOss
                         | Family::Nemotron
+                        | Family::Dots1
+                        | Family::OlmoHybrid
                 ) && c.qkv_bias != c.o_bias,
                 "a bias on some attention projections alone",
             ),
@@ -1291,6 +1293,13 @@ impl Family {
                 }) || c.recurrent_pre_norms != (self == Family::OlmoHybrid),
                 "OLMo Hybrid's linear attention (projections apart, doubled betas, its own norm epsilon, LLaMA's \
                  norms)",
+            ),
+            (
+                self == Family::OlmoHybrid
+                    && c.layer_types
+                        .as_ref()
+                        .is_none_or(|t| !t.contains(&LayerAttention::Linear) || !t.contains(&LayerAttention::Full)),
+                "OLMo Hybrid's layers without a linear_attention or a full_attention one",
             ),
             (
                 c.linear_attention.as_ref().is_some_and(|l| l.split_projections != self.is_qwen3_5()),
@@ -3711,6 +3720,9 @@ impl Keys<'_> {
             true => Some(self.nemotron_h_experts(&kinds)?),
             false => None,
         };
+        if moe.is_some() {
+            self.only("mlp_bias", &[json!(false)], "biases on the experts' projections are not supported")?;
+        }
         Ok(LlamaConfig {
             ffn_dim: Some(self.int("intermediate_size")?.unwrap_or(21504)),
             // Its class gives one key/value head per query head where the key is null.
@@ -3740,10 +3752,10 @@ impl Keys<'_> {
         })
     }
 
-    /// Nemotron-H's layer kinds (`linear_attention`, `full_attention`, `mlp` or `moe`):
-    /// `layers_block_type` (or its alias `layer_types`, with the older `mamba` and
-    /// `attention`), else the older `hybrid_override_pattern` (`M`, `*`, `-` and `E`), else
-    /// its class's four layers.
+    /// Nemotron-H's layer kinds (`linear_attention`, `full_attention`, `mlp` or `moe`): its
+    /// alias `layer_types` (which its class sets last, over the others), else
+    /// `layers_block_type` (either with the older `mamba` and `attention`), else the older
+    /// `hybrid_override_pattern` (`M`, `*`, `-` and `E`), else its class's four layers.
     fn nemotron_h_kinds(&self) -> KeyResult<Vec<&'static str>> {
         const NAMES: [(&str, &str); 6] = [
             ("linear_attention", "linear_attention"),
@@ -3755,7 +3767,7 @@ impl Keys<'_> {
         ];
         const PATTERN: [(char, &str); 4] =
             [('M', "linear_attention"), ('*', "full_attention"), ('-', "mlp"), ('E', "moe")];
-        for key in ["layers_block_type", "layer_types"] {
+        for key in ["layer_types", "layers_block_type"] {
             match self.get(key) {
                 None | Some(Value::Null) => {}
                 Some(Value::Array(kinds)) => {
@@ -3809,9 +3821,10 @@ impl Keys<'_> {
     /// `routed_scaling_factor`, beside one shared expert, in a latent space `moe_latent_size`
     /// wide where it names one; its class has no load-balancing loss.
     fn nemotron_h_experts(&self, kinds: &[&str]) -> KeyResult<MoeConfig> {
-        let experts = match self.int("n_routed_experts")? {
+        // Its class sets the alias num_local_experts last, over n_routed_experts.
+        let experts = match self.int("num_local_experts")? {
             Some(n) => n,
-            None => self.int("num_local_experts")?.unwrap_or(8),
+            None => self.int("n_routed_experts")?.unwrap_or(8),
         };
         Ok(MoeConfig {
             norm_topk: self.flag("norm_topk_prob")?.unwrap_or(true),
@@ -3933,6 +3946,11 @@ impl Keys<'_> {
     /// none, as its class has it.
     fn olmo_hybrid_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
         if let Some(types) = self.layer_types(&["linear_attention", "full_attention"])? {
+            if !types.contains(&LayerAttention::Linear) || !types.contains(&LayerAttention::Full) {
+                return Err("config.json: layer_types: OLMo Hybrid's class needs a linear_attention layer and a \
+                            full_attention one"
+                    .into());
+            }
             return Ok(types);
         }
         let mut types: Vec<LayerAttention> =
@@ -3947,8 +3965,9 @@ impl Keys<'_> {
     /// `rope_theta`, or the older top-level key), as its released models have it: then
     /// every layer is unrotated.
     fn olmo_hybrid_unrotated(&self, layers: i64) -> KeyResult<Vec<i64>> {
+        // Its class fills a base rope_parameters lacks from the top-level key.
         let base = match self.get("rope_parameters") {
-            Some(Value::Object(params)) => params.get("rope_theta"),
+            Some(Value::Object(params)) if params.contains_key("rope_theta") => params.get("rope_theta"),
             _ => self.cfg.get("rope_theta"),
         };
         Ok(if base.is_some_and(Value::is_null) { (0..layers).collect() } else { vec![] })
@@ -4376,8 +4395,15 @@ impl Keys<'_> {
                 // DeepSeek-V2's its alias `num_experts` over its own.
                 match (self.int("n_routed_experts")?, self.int("num_experts")?.filter(|_| v2)) {
                     (_, Some(n)) => n,
+                    // dots.llm1's and Solar Open's classes set their alias last, over it.
+                    (given, None) if dots1 || family == Family::SolarOpen => {
+                        match (self.int("num_local_experts")?, given) {
+                            (Some(n), _) | (None, Some(n)) => n,
+                            (None, None) if dots1 => self.required("n_routed_experts")?,
+                            (None, None) => experts,
+                        }
+                    }
                     (Some(n), None) => n,
-                    (None, None) if dots1 => self.required("n_routed_experts")?,
                     (None, None) => self.int("num_local_experts")?.filter(|_| mistral4).unwrap_or(experts),
                 },
                 // DeepSeek-V2's class has no count of its own: a folder names it.
@@ -4952,9 +4978,14 @@ mod tests {
         let moe = dots1.unwrap().moe.unwrap();
         assert_eq!((moe.norm_topk, moe.shared_expert_dim, moe.dense_layers.len()), (false, Some(1408), 0));
         // Solar Open's class has no dense layers and no bias on the attention's output.
-        let solar = read(Family::SolarOpen, json!({"first_k_dense_replace": 2, "attention_bias": true})).unwrap();
+        let solar = read(
+            Family::SolarOpen,
+            json!({"first_k_dense_replace": 2, "attention_bias": true, "n_routed_experts": 16, "num_local_experts": 8}),
+        )
+        .unwrap();
         let moe = solar.moe.as_ref().unwrap();
         assert_eq!((moe.dense_layers.len(), moe.norm_topk, solar.qkv_bias, solar.o_bias), (0, true, true, false));
+        assert_eq!(moe.experts, 8, "its class sets num_local_experts over n_routed_experts");
         let refused = [
             (Family::DeepseekV2, json!({}), "num_experts_per_tok is missing"),
             (
@@ -4978,9 +5009,9 @@ mod tests {
         }
     }
 
-    /// Nemotron-H's layer kinds as its class reads them: `layers_block_type` over its alias
-    /// `layer_types` (with the older `mamba` and `attention`), over the older
-    /// `hybrid_override_pattern`; the older `mamba_`-named sizes over the newer ones; the step
+    /// Nemotron-H's layer kinds as its class reads them: its alias `layer_types` over
+    /// `layers_block_type` (with the older `mamba` and `attention`), over the older
+    /// `hybrid_override_pattern`; `num_local_experts` over `n_routed_experts`; the older `mamba_`-named sizes over the newer ones; the step
     /// bounded below at `time_step_min` whatever `time_step_limit` says; what it cannot run
     /// refused by name.
     #[test]
@@ -4992,12 +5023,12 @@ mod tests {
         let alias = json!({"layer_types": ["mamba", "mlp", "attention"], "hybrid_override_pattern": "M-*E"});
         assert_eq!(kinds(alias).unwrap(), [Linear, Ffn, Full]);
         let both = json!({"layers_block_type": ["full_attention", "mlp"], "layer_types": ["mamba"]});
-        assert_eq!(kinds(both).unwrap(), [Full, Ffn]);
+        assert_eq!(kinds(both).unwrap(), [Linear]);
         // Its class's four layers where nothing names them.
         assert_eq!(kinds(json!({"n_routed_experts": 4})).unwrap(), [Linear, Ffn, Full, Ffn]);
         let c = read(
             Family::NemotronH,
-            json!({"hybrid_override_pattern": "M-*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
+            json!({"hybrid_override_pattern": "M-*E", "n_routed_experts": 6, "num_local_experts": 4, "num_experts_per_tok": 2,
                    "mamba_num_heads": 4, "n_groups": 1, "mamba_n_groups": 2, "mamba_dt_min": 0.02,
                    "time_step_min": 0.5, "time_step_limit": [0.0, 1.0], "use_bias": true, "moe_latent_size": 16}),
         )
@@ -5006,12 +5037,13 @@ mod tests {
         assert_eq!((mamba.groups, mamba.time_step_min, mamba.time_step_max, mamba.proj_bias), (2, 0.02, None, true));
         let moe = c.moe.unwrap();
         assert_eq!((0..4).map(|l| moe.is_sparse(l)).collect::<Vec<_>>(), [false, false, false, true]);
-        assert_eq!(moe.latent_dim, Some(16));
+        assert_eq!((moe.latent_dim, moe.experts), (Some(16), 4));
         assert_eq!((c.mixer_alone, c.unrotated_layers.len(), c.padding_token), (true, 4, None));
         let refused = [
             (json!({"hybrid_override_pattern": "M-X"}), "holds 'X'"),
             (json!({"layers_block_type": ["mamba", "sliding_attention"]}), "not linear_attention"),
             (json!({"mlp_hidden_act": "silu"}), "mlp_hidden_act = \"silu\" is not supported"),
+            (json!({"mlp_bias": true, "n_routed_experts": 4}), "biases on the experts' projections"),
         ];
         for (keys, why) in refused {
             let error = read(Family::NemotronH, keys).unwrap_err();
@@ -5032,14 +5064,22 @@ mod tests {
         assert_eq!((l.apart_projections, l.doubled_beta, l.gate_norm_eps), (true, true, Some(1e-5)));
         assert_eq!((c.recurrent_pre_norms, c.post_norms, c.qk_norm_whole), (true, true, true));
         assert!(c.unrotated_layers.is_empty(), "its class's default base turns positions");
-        for nope in
-            [json!({"rope_parameters": {"rope_type": "default", "rope_theta": null}}), json!({"rope_theta": null})]
-        {
+        for nope in [
+            json!({"rope_parameters": {"rope_type": "default", "rope_theta": null}}),
+            json!({"rope_theta": null}),
+            json!({"rope_parameters": {"rope_type": "default"}, "rope_theta": null}),
+        ] {
             assert_eq!(read(Family::OlmoHybrid, nope).unwrap().unrotated_layers, [0, 1, 2]);
         }
         let kept = read(Family::OlmoHybrid, json!({"linear_allow_neg_eigval": false, "num_hidden_layers": 8})).unwrap();
         assert!(!kept.linear_attention.unwrap().doubled_beta);
         assert_eq!(kept.layer_types.unwrap().iter().filter(|&&t| t == Full).count(), 2);
+        let all_linear = read(
+            Family::OlmoHybrid,
+            json!({"layer_types": ["linear_attention", "linear_attention", "linear_attention"]}),
+        )
+        .unwrap_err();
+        assert!(all_linear.contains("needs a linear_attention layer and a full_attention one"), "{all_linear}");
     }
 
     /// peft names adapters as `transformers` holds the modules in memory: the family's file
@@ -5087,8 +5127,8 @@ mod tests {
         )
         .unwrap();
         let mut spec = ModelConfig::Llama(lfm2).spec().unwrap();
-        let lora =
-            json!([["lora", {"r": 2, "target_modules": ["w1", "out_proj"], "modules_to_save": ["embedding_norm"]}]]);
+        let lora = json!([["lora", {"r": 2, "alpha": 2, "target_modules": ["w1", "out_proj"],
+                                    "modules_to_save": ["embedding_norm"], "alpha_pattern": {"feed_forward.w1": 8}}]]);
         crate::strategy::Strategy::from_value(&lora).unwrap().lora().unwrap().apply(&mut spec).unwrap();
         let trained: Vec<&str> = spec
             .params
@@ -5097,6 +5137,10 @@ mod tests {
             .map(|p| p.name.as_str())
             .collect();
         assert_eq!(trained, ["model.norm.weight"], "LFM2's final norm is its embedding_norm");
+        let scale =
+            |name: &str| spec.adapters.iter().find(|(w, _)| spec.params[w.0].name == name).map(|(_, a)| a.scale);
+        assert_eq!(scale("model.layers.0.mlp.gate_proj.weight"), Some(4.0), "alpha_pattern by LFM2's name");
+        assert_eq!(scale("model.layers.1.self_attn.o_proj.weight"), Some(1.0));
         let mut adapted: Vec<&str> = spec.adapters.keys().map(|w| spec.params[w.0].name.as_str()).collect();
         adapted.sort_unstable();
         assert_eq!(

@@ -215,6 +215,13 @@ fn pattern_key(key: &str) -> String {
 }
 
 /// The value of the first key of `patterns` that `name` matches (peft's `get_pattern_key`).
+/// The name `family`'s model holds module `module` under in `transformers`, where it differs
+/// from Strata's.
+fn held_module(family: Option<Family>, module: &str) -> Option<String> {
+    let held = family?.memory_name(&format!("{module}.weight"));
+    Some(held.strip_suffix(".weight").unwrap_or(&held).to_string()).filter(|h| h != module)
+}
+
 fn first_match<T: Copy>(patterns: &Patterns<T>, name: &str) -> Option<T> {
     patterns.0.iter().find(|(key, _)| matches(&pattern_key(key), name)).map(|(_, v)| *v)
 }
@@ -337,10 +344,13 @@ impl LoraConfig {
     }
 
     /// The rank and the product's factor of the adapter of `key` (a layer's module name, or
-    /// a stacked expert parameter's name): `r` and `alpha` unless a pattern names it.
-    fn rank_and_scale(&self, key: &str) -> (i64, f64) {
-        let r = first_match(&self.rank_pattern, key).unwrap_or(self.r);
-        let alpha = first_match(&self.alpha_pattern, key).unwrap_or(self.alpha);
+    /// a stacked expert parameter's name): `r` and `alpha` unless a pattern names it, by
+    /// Strata's name or by `family`'s as `transformers` holds it.
+    fn rank_and_scale(&self, key: &str, family: Option<Family>) -> (i64, f64) {
+        let held = held_module(family, key);
+        let names: Vec<&str> = std::iter::once(key).chain(held.as_deref()).collect();
+        let r = names.iter().find_map(|n| first_match(&self.rank_pattern, n)).unwrap_or(self.r);
+        let alpha = names.iter().find_map(|n| first_match(&self.alpha_pattern, n)).unwrap_or(self.alpha);
         (r, scale(r, alpha, self.use_rslora))
     }
 
@@ -553,6 +563,8 @@ impl LoraConfig {
         spec.dropout |= self.dropout > 0.0;
         let expert_targets = self.expert_targets(spec)?;
         let mut adapted: Vec<String> = targets.iter().map(|w| module_of(&spec.params[w.0].name).to_string()).collect();
+        // The family's names of them too, which patterns may use.
+        adapted.extend(adapted.clone().iter().filter_map(|m| held_module(spec.family, m)));
         for w in targets {
             let adapter = self.join(spec, w)?;
             spec.adapters.insert(w, adapter);
@@ -589,7 +601,7 @@ impl LoraConfig {
             _ => vec![&set.down],
         };
         // peft's key of a stacked parameter: its module's name, unwrapped, and its own.
-        let (r, scale) = self.rank_and_scale(&format!("{}.{part}", set.module));
+        let (r, scale) = self.rank_and_scale(&format!("{}.{part}", set.module), spec.family);
         for e in 0..set.down.len() {
             let first = spec.params[weights[0][e].0].clone();
             let [rows, inp] = first.shape[..] else {
@@ -627,7 +639,7 @@ impl LoraConfig {
             role => (role, role),
         };
         let module = module_of(&weight.name);
-        let (r, scale) = self.rank_and_scale(module);
+        let (r, scale) = self.rank_and_scale(module, spec.family);
         let bound = 1.0 / (inp as f64).sqrt();
         let name = |part| format!("{module}.lora_{part}.weight");
         let a = declare(spec, &weight, name("A"), vec![r, inp], Init::Uniform { bound }, a_role)?;
