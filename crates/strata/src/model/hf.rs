@@ -1462,7 +1462,7 @@ impl Family {
 
     /// The name `transformers` holds a Strata parameter under in memory, which peft names
     /// its adapters' tensors by: the name in the family's files as `transformers` renames it
-    /// on reading ([`Family::memory_renames`]), a LoRA factor's (`{module}.lora_A.weight`,
+    /// on reading (its conversion mapping), a LoRA factor's (`{module}.lora_A.weight`,
     /// ...) after its adapted module's.
     pub fn memory_name(self, name: &str) -> String {
         let (module, factor) = split_factor(name);
