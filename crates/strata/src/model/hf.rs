@@ -1477,7 +1477,7 @@ impl Family {
     }
 
     /// A name of the family's files as `transformers` renames it on reading.
-    pub fn renamed_in_memory(self, name: &str) -> String {
+    fn renamed_in_memory(self, name: &str) -> String {
         self.memory_renames().iter().fold(name.to_string(), |held, (file, memory)| held.replacen(file, memory, 1))
     }
 
@@ -4391,21 +4391,7 @@ impl Keys<'_> {
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             ..MoeConfig::new(
-                // Mistral 4's class also takes the name the other families give the count, and
-                // DeepSeek-V2's its alias `num_experts` over its own.
-                match (self.int("n_routed_experts")?, self.int("num_experts")?.filter(|_| v2)) {
-                    (_, Some(n)) => n,
-                    // dots.llm1's and Solar Open's classes set their alias last, over it.
-                    (given, None) if dots1 || family == Family::SolarOpen => {
-                        match (self.int("num_local_experts")?, given) {
-                            (Some(n), _) | (None, Some(n)) => n,
-                            (None, None) if dots1 => self.required("n_routed_experts")?,
-                            (None, None) => experts,
-                        }
-                    }
-                    (Some(n), None) => n,
-                    (None, None) => self.int("num_local_experts")?.filter(|_| mistral4).unwrap_or(experts),
-                },
+                self.deepseek_expert_count(family, experts)?,
                 // DeepSeek-V2's class has no count of its own: a folder names it.
                 if v2 || dots1 {
                     self.required("num_experts_per_tok")?
@@ -4415,6 +4401,25 @@ impl Keys<'_> {
                 width,
             )
         })
+    }
+
+    /// How many routed experts a DeepSeek-style family's folder names: `n_routed_experts`,
+    /// with each class's alias (DeepSeek-V2's `num_experts` and dots.llm1's and Solar Open's
+    /// `num_local_experts`, which those classes set over it; Mistral 4's `num_local_experts`
+    /// where it is absent), else `default` (dots.llm1's class has none: a folder names it).
+    fn deepseek_expert_count(&self, family: Family, default: i64) -> KeyResult<i64> {
+        let (routed, local) = (self.int("n_routed_experts")?, self.int("num_local_experts")?);
+        let given = match family {
+            Family::DeepseekV2 => self.int("num_experts")?.or(routed),
+            Family::Dots1 | Family::SolarOpen => local.or(routed),
+            Family::Mistral4 => routed.or(local),
+            _ => routed,
+        };
+        match given {
+            Some(n) => Ok(n),
+            None if family == Family::Dots1 => self.required("n_routed_experts"),
+            None => Ok(default),
+        }
     }
 
     /// The sliding window and which layers it applies to: Mistral's and Phi-3's
@@ -5141,6 +5146,20 @@ mod tests {
             |name: &str| spec.adapters.iter().find(|(w, _)| spec.params[w.0].name == name).map(|(_, a)| a.scale);
         assert_eq!(scale("model.layers.0.mlp.gate_proj.weight"), Some(4.0), "alpha_pattern by LFM2's name");
         assert_eq!(scale("model.layers.1.self_attn.o_proj.weight"), Some(1.0));
+        // Nemotron-H's stacked experts by its own name (`mixer.experts`): found, and refused
+        // as experts without a gate.
+        let nemotron = read(
+            Family::NemotronH,
+            json!({"n_routed_experts": 4, "num_experts_per_tok": 2, "mamba_num_heads": 4, "mamba_head_dim": 8,
+                   "n_groups": 1, "ssm_state_size": 4, "moe_intermediate_size": 8, "head_dim": 8,
+                   "moe_shared_expert_intermediate_size": 8}),
+        )
+        .unwrap();
+        let mut experts = ModelConfig::Llama(nemotron).spec().unwrap();
+        let lora = json!([["lora", {"r": 2, "target_parameters": ["mixer.experts.up_proj"]}]]);
+        let refused = crate::strategy::Strategy::from_value(&lora).unwrap().lora().unwrap().apply(&mut experts);
+        let refused = refused.unwrap_err().to_string();
+        assert!(refused.contains("stacks the experts in another layout"), "{refused}");
         let mut adapted: Vec<&str> = spec.adapters.keys().map(|w| spec.params[w.0].name.as_str()).collect();
         adapted.sort_unstable();
         assert_eq!(

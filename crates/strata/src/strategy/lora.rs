@@ -214,14 +214,21 @@ fn pattern_key(key: &str) -> String {
     format!(r"^(?:.*\.)?(?:{key})$")
 }
 
-/// The value of the first key of `patterns` that `name` matches (peft's `get_pattern_key`).
-/// The name `family`'s model holds module `module` under in `transformers`, where it differs
-/// from Strata's.
-fn held_module(family: Option<Family>, module: &str) -> Option<String> {
-    let held = family?.memory_name(&format!("{module}.weight"));
-    Some(held.strip_suffix(".weight").unwrap_or(&held).to_string()).filter(|h| h != module)
+/// The names module `module` (or a stacked parameter) answers to: Strata's, then the one
+/// `family`'s model holds it under in `transformers`, where that differs.
+fn module_names(family: Option<Family>, module: &str) -> Vec<String> {
+    let mut known = vec![module.to_string()];
+    if let Some(family) = family {
+        let held = family.memory_name(&format!("{module}.weight"));
+        let held = held.strip_suffix(".weight").unwrap_or(&held);
+        if held != module {
+            known.push(held.to_string());
+        }
+    }
+    known
 }
 
+/// The value of the first key of `patterns` that `name` matches (peft's `get_pattern_key`).
 fn first_match<T: Copy>(patterns: &Patterns<T>, name: &str) -> Option<T> {
     patterns.0.iter().find(|(key, _)| matches(&pattern_key(key), name)).map(|(_, v)| *v)
 }
@@ -340,15 +347,15 @@ impl LoraConfig {
     /// [`Self::saves`], by Strata's name or by `family`'s module names as `transformers`
     /// holds them.
     pub fn saves_in(&self, name: &str, family: Option<Family>) -> bool {
-        self.saves(name) || family.is_some_and(|f| self.saves(&f.memory_name(name)))
+        let known = module_names(family, module_of(name));
+        self.modules_to_save.iter().any(|m| known.iter().any(|module| saved_by(m, module)))
     }
 
     /// The rank and the product's factor of the adapter of `key` (a layer's module name, or
     /// a stacked expert parameter's name): `r` and `alpha` unless a pattern names it, by
     /// Strata's name or by `family`'s as `transformers` holds it.
     fn rank_and_scale(&self, key: &str, family: Option<Family>) -> (i64, f64) {
-        let held = held_module(family, key);
-        let names: Vec<&str> = std::iter::once(key).chain(held.as_deref()).collect();
+        let names = module_names(family, key);
         let r = names.iter().find_map(|n| first_match(&self.rank_pattern, n)).unwrap_or(self.r);
         let alpha = names.iter().find_map(|n| first_match(&self.alpha_pattern, n)).unwrap_or(self.alpha);
         (r, scale(r, alpha, self.use_rslora))
@@ -394,16 +401,7 @@ impl LoraConfig {
             .iter()
             .enumerate()
             .filter(|(_, p)| p.linear)
-            .map(|(i, p)| {
-                let mut known = vec![module_of(&p.name).to_string()];
-                if let Some(family) = spec.family {
-                    let held = module_of(&family.memory_name(&p.name)).to_string();
-                    if held != known[0] {
-                        known.push(held);
-                    }
-                }
-                (ParamId(i), known)
-            })
+            .map(|(i, p)| (ParamId(i), module_names(spec.family, module_of(&p.name))))
             .collect();
         let any = |known: &[String], test: &dyn Fn(&str) -> bool| known.iter().any(|m| test(m));
         let unmatched = |what: String| {
@@ -503,8 +501,7 @@ impl LoraConfig {
         // Whether target `t` names a stacked parameter, by Strata's name or as `transformers`
         // holds it.
         let named_by = |set: &ExpertSet, part: &str, t: &str| {
-            let key = format!("{}.{part}", set.module);
-            names(&key, t) || spec.family.is_some_and(|f| names(&f.renamed_in_memory(&key), t))
+            module_names(spec.family, &format!("{}.{part}", set.module)).iter().any(|key| names(key, t))
         };
         let named = |set: &ExpertSet, part: &str| self.target_parameters.iter().any(|t| named_by(set, part, t));
         if let Some(t) = self.target_parameters.iter().find(|t| {
@@ -542,10 +539,7 @@ impl LoraConfig {
         self.validate()?;
         let targets = self.targets(spec)?;
         let present = |name: &str| {
-            spec.params.iter().any(|p| {
-                saved_by(name, module_of(&p.name))
-                    || spec.family.is_some_and(|f| saved_by(name, module_of(&f.memory_name(&p.name))))
-            })
+            spec.params.iter().any(|p| module_names(spec.family, module_of(&p.name)).iter().any(|m| saved_by(name, m)))
         };
         // peft names both classifier heads; one of them is the model's.
         let both_heads = CLASSIFIER_HEADS.iter().all(|h| self.modules_to_save.iter().any(|m| m == h));
@@ -562,9 +556,9 @@ impl LoraConfig {
         // Adapters' dropout draws masks by step, as the model's own sites do.
         spec.dropout |= self.dropout > 0.0;
         let expert_targets = self.expert_targets(spec)?;
-        let mut adapted: Vec<String> = targets.iter().map(|w| module_of(&spec.params[w.0].name).to_string()).collect();
-        // The family's names of them too, which patterns may use.
-        adapted.extend(adapted.clone().iter().filter_map(|m| held_module(spec.family, m)));
+        // By Strata's names and the family's, which patterns may use.
+        let mut adapted: Vec<String> =
+            targets.iter().flat_map(|w| module_names(spec.family, module_of(&spec.params[w.0].name))).collect();
         for w in targets {
             let adapter = self.join(spec, w)?;
             spec.adapters.insert(w, adapter);
