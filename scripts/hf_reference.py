@@ -142,6 +142,15 @@ def decoder_families():
         args.update(kw)
         return tf.LlamaForCausalLM, tf.LlamaConfig(**args)
 
+    falcon_h1 = dict(
+        common, head_dim=12, num_hidden_layers=2, mamba_d_ssm=48, mamba_n_heads=4, mamba_d_head=12,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=True,
+        mamba_norm_before_gate=False, mamba_proj_bias=True, projectors_bias=True, tie_word_embeddings=False,
+        embedding_multiplier=2.5, lm_head_multiplier=0.3, key_multiplier=0.7, attention_in_multiplier=1.3,
+        attention_out_multiplier=0.8, ssm_in_multiplier=1.2, ssm_out_multiplier=0.6,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 0.9], mlp_multipliers=[0.7, 1.4],
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+
     families = {
         "llama3": lambda: llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
@@ -485,6 +494,16 @@ def decoder_families():
             **common, num_hidden_layers=4, attn_layer_indices=[2], mamba_n_heads=4, mamba_n_groups=2,
             mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_proj_bias=True,
             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Falcon-H1 (its larger releases' mixers): on both layers a Mamba-2 mixer (48 wide,
+        # four heads in two groups, chunks of 8) beside attention (heads 12 wide), gated then
+        # normed, with biases on its projections; every μP multiplier away from one.
+        "falcon-h1": lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(**falcon_h1)),
+        # Falcon-H1 0.5B's mixers, gated without a norm, and a tied head.
+        "falcon-h1-ungated": lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
+            **dict(falcon_h1, mamba_rms_norm=False, tie_word_embeddings=True))),
+        # The class's default order where the mixers have a norm: normed, then gated.
+        "falcon-h1-norm-first": lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
+            **dict(falcon_h1, mamba_norm_before_gate=True))),
         # LFM2-MoE: LFM2's layers, the first dense (40 wide, as given), the others with four
         # experts, two per token, chosen by sigmoid scores plus a choice bias (drawn in build)
         # and weighted by the renormalised scores times 1.5.

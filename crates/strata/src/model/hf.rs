@@ -17,8 +17,8 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
-use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, Multipliers, NormKind};
-use super::mamba::StateSpaceConfig;
+use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, MupMultipliers, Multipliers, NormKind};
+use super::mamba::{GatedNorm, StateSpaceConfig};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
 use super::short_conv::ShortConvConfig;
@@ -124,6 +124,9 @@ pub enum Family {
     /// Bamba (`bamba`): Mamba-2 mixers beside attention on the layers `attn_layer_indices`
     /// names, half of each head turned, under its own norms' and feed-forward's names.
     Bamba,
+    /// Falcon-H1 (`falcon_h1`): on every layer a Mamba-2 mixer and attention side by side
+    /// over the same normed input, μP multipliers throughout, under Bamba's names.
+    FalconH1,
     /// LFM2 (`lfm2`): gated short convolutions on the layers `layer_types` marks `conv`,
     /// attention with per-head query/key norms on the others, under its own names.
     Lfm2,
@@ -345,7 +348,7 @@ fn split_factor(name: &str) -> (&str, &str) {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 56] = [
+const FAMILIES: [Family; 57] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -379,6 +382,7 @@ const FAMILIES: [Family; 56] = [
     Family::Lfm2,
     Family::Lfm2Moe,
     Family::Bamba,
+    Family::FalconH1,
     Family::Llama4,
     Family::Mixtral,
     Family::MiniMaxM2,
@@ -439,6 +443,7 @@ impl Family {
             Family::GraniteMoeHybrid => "granitemoehybrid",
             Family::Lfm2 => "lfm2",
             Family::Bamba => "bamba",
+            Family::FalconH1 => "falcon_h1",
             Family::Lfm2Moe => "lfm2_moe",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
@@ -513,6 +518,7 @@ impl Family {
             Family::NemotronH => "NemotronH",
             Family::Lfm2 => "Lfm2",
             Family::Bamba => "Bamba",
+            Family::FalconH1 => "FalconH1",
             Family::Lfm2Moe => "Lfm2Moe",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
@@ -567,6 +573,7 @@ impl Family {
                 | Family::Lfm2
                 | Family::Lfm2Moe
                 | Family::Bamba
+                | Family::FalconH1
                 | Family::Apertus
                 | Family::Llama4
                 | Family::Cohere
@@ -604,7 +611,7 @@ impl Family {
                 Glm4MoeLite => 202_752,
                 Apertus | OlmoHybrid => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron | NemotronH => 4096,
-                Cohere | Cohere2 => 8192,
+                Cohere | Cohere2 | FalconH1 => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
                 Bamba => 262_144,
@@ -614,7 +621,8 @@ impl Family {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba | NemotronH | SolarOpen => {
+                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba | NemotronH | SolarOpen
+                | FalconH1 => {
                     1e-5
                 }
                 _ => 1e-6,
@@ -647,7 +655,7 @@ impl Family {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2
-                | Lfm2Moe | Bamba | NemotronH | SolarOpen => Some(8),
+                | Lfm2Moe | Bamba | NemotronH | SolarOpen | FalconH1 => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl | Dots1 => Some(32),
                 _ => None,
@@ -787,8 +795,8 @@ impl Family {
     }
 
     /// The family a built-in model is written as, by the options it uses, the first that
-    /// applies: GPT as GPT-2; Nemotron-H (blocks of one sub-layer); Granite 4 (its `shared_mlp`); Bamba (Mamba-2 mixers without
-    /// experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
+    /// applies: GPT as GPT-2; Nemotron-H (blocks of one sub-layer); Granite 4 (its `shared_mlp`); Falcon-H1 (μP
+    /// multipliers); Bamba (Mamba-2 mixers without experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V2 (latent attention with softmax
     /// scores), GLM-4.7-Flash (latent attention with dense
@@ -830,6 +838,9 @@ impl Family {
         }
         if c.shared_mlp {
             return Ok(Family::GraniteMoeHybrid);
+        }
+        if c.mup.is_some() {
+            return Ok(Family::FalconH1);
         }
         if c.state_space.is_some() && c.moe.is_none() {
             return Ok(Family::Bamba);
@@ -1125,10 +1136,27 @@ impl Family {
             ),
             (
                 c.shared_mlp != (self == Family::GraniteMoeHybrid)
-                    || c.state_space.as_ref().is_some_and(|m| {
-                        !matches!(self, Family::GraniteMoeHybrid | Family::Bamba) || m.inner() % c.dim != 0
+                    || c.state_space.as_ref().is_some_and(|m| match self {
+                        Family::GraniteMoeHybrid | Family::Bamba => m.inner() % c.dim != 0,
+                        // Falcon-H1's width is a key of its own.
+                        Family::FalconH1 => false,
+                        _ => true,
                     }),
                 "Granite 4's shared_mlp and Mamba-2 layers (their width a whole multiple of the hidden size)",
+            ),
+            (c.mup.is_some() != (self == Family::FalconH1), "Falcon-H1's μP multipliers"),
+            (
+                (0..c.layers as usize).any(|i| c.is_hybrid(i)) != (self == Family::FalconH1)
+                    || self == Family::FalconH1
+                        && (c.state_space.is_none()
+                            || !(0..c.layers as usize).all(|i| c.is_hybrid(i))
+                            || c.mlp_bias),
+                "Mamba-2 mixers beside attention (Falcon-H1's, on every layer, its feed-forward without biases)",
+            ),
+            (
+                c.state_space.as_ref().is_some_and(|m| m.gated_norm != GatedNorm::GateThenNorm)
+                    && self != Family::FalconH1,
+                "a Mamba-2 mixer normed before its gate, or without a norm",
             ),
             // EXAONE 4 turns no position on exactly its full layers, where it has a window.
             (
@@ -1406,6 +1434,7 @@ impl Family {
                             | Family::Granite
                             | Family::Starcoder2
                             | Family::Nemotron
+                            | Family::FalconH1
                     ),
                 "attention biases",
             ),
@@ -1515,7 +1544,7 @@ impl Family {
             Family::Apertus => &[&APERTUS_NORMS],
             Family::GraniteMoe | Family::GraniteMoeHybrid => &[&GRANITE_MOE_STACKS],
             Family::Lfm2 | Family::Lfm2Moe => &[&LFM2_NAMES],
-            Family::Bamba => &[&BAMBA_NAMES],
+            Family::Bamba | Family::FalconH1 => &[&BAMBA_NAMES],
             Family::OlmoHybrid => &[&OLMO_HYBRID_NAMES],
             _ => &[],
         };
@@ -1831,9 +1860,13 @@ fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
             "windows, chunks, soft-capping or other score scales",
         ),
         (c.linear_attention.is_some() || c.short_conv.is_some() || c.shared_mlp, "mixers other than Mamba-2"),
-        (c.state_space.as_ref().is_some_and(|m| m.time_step_max.is_some()), "a step bounded above"),
         (
-            c.multipliers.is_some() || c.scale_embeddings || c.logit_scale.is_some() || c.padding_token.is_some(),
+            c.state_space.as_ref().is_some_and(|m| m.time_step_max.is_some() || m.gated_norm != GatedNorm::GateThenNorm),
+            "a step bounded above, or a mixer normed before its gate or without a norm",
+        ),
+        ((0..c.layers as usize).any(|l| c.is_hybrid(l)), "Mamba-2 mixers beside attention"),
+        (
+            c.multipliers.is_some() || c.mup.is_some() || c.scale_embeddings || c.logit_scale.is_some() || c.padding_token.is_some(),
             "scaled embeddings or logits, or an untrained padding row",
         ),
         (c.dropout.residual > 0.0 || c.dropout.embedding > 0.0, "dropout other than the attention's"),
@@ -2169,8 +2202,16 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["attn_layer_indices"] = json!(attending);
     }
     if let Some(m) = &c.state_space {
-        // A whole multiple ([`Family::cannot_write`]).
-        v["mamba_expand"] = json!(m.inner() / c.dim);
+        match family {
+            Family::FalconH1 => {
+                v["mamba_d_ssm"] = json!(m.inner());
+                v["mamba_rms_norm"] = json!(m.gated_norm != GatedNorm::GateAlone);
+                v["mamba_norm_before_gate"] = json!(m.gated_norm == GatedNorm::NormThenGate);
+                v["projectors_bias"] = json!(m.proj_bias);
+            }
+            // A whole multiple ([`Family::cannot_write`]).
+            _ => v["mamba_expand"] = json!(m.inner() / c.dim),
+        }
         v["mamba_n_heads"] = json!(m.heads);
         v["mamba_d_head"] = json!(m.head_dim);
         v["mamba_n_groups"] = json!(m.groups);
@@ -2185,6 +2226,17 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             let max = m.time_step_max.map_or(json!({"__float__": PYTHON_INFINITY}), |max| json!(max));
             v["time_step_limit"] = json!([m.time_step_min, max]);
         }
+    }
+    if let Some(m) = &c.mup {
+        v["embedding_multiplier"] = json!(m.embeddings);
+        v["lm_head_multiplier"] = json!(m.logits);
+        v["key_multiplier"] = json!(m.keys);
+        v["attention_in_multiplier"] = json!(m.attention_in);
+        v["attention_out_multiplier"] = json!(m.attention_out);
+        v["ssm_in_multiplier"] = json!(m.recurrent_in);
+        v["ssm_out_multiplier"] = json!(m.recurrent_out);
+        v["ssm_multipliers"] = json!(m.recurrent_projection);
+        v["mlp_multipliers"] = json!([m.gate, m.down]);
     }
     if let Some(l) = &c.latent {
         v["q_lora_rank"] = json!(l.q_rank);
@@ -3198,6 +3250,7 @@ impl Keys<'_> {
         let granite4 = family == Family::GraniteMoeHybrid;
         let lfm2 = family.dense() == Family::Lfm2;
         let bamba = family == Family::Bamba;
+        let falcon_h1 = family == Family::FalconH1;
         if bamba {
             self.only("z_loss_coefficient", &[json!(0), json!(0.0)], "a z-loss on the logits is not applied")?;
             self.only("mlp_bias", &[json!(false)], "Bamba's feed-forward has no biases here")?;
@@ -3241,7 +3294,7 @@ impl Keys<'_> {
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::OlmoHybrid => Some(100_277),
-            Family::Lfm2 | Family::Lfm2Moe | Family::Bamba => Some(0),
+            Family::Lfm2 | Family::Lfm2Moe | Family::Bamba | Family::FalconH1 => Some(0),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
             Family::SmolLm3 => Some(128_004),
@@ -3435,6 +3488,8 @@ impl Keys<'_> {
             _ if class == Family::Lfm2Moe => (None, Some(self.layer_kinds_required(&LFM2_LAYER_NAMES)?)),
             _ if lfm2 => (None, Some(self.lfm2_layers(layers)?)),
             _ if bamba => (None, Some(self.bamba_layers(layers)?)),
+            // Its class names every layer hybrid whatever the folder says.
+            _ if falcon_h1 => (None, Some(vec![LayerAttention::Hybrid; layers as usize])),
             _ if olmo_hybrid => (None, Some(self.olmo_hybrid_layers(layers)?)),
             (Some(l), _) => (None, Some(l.layer_types.clone())),
             _ => self.windows(class, layers, &unrotated_layers)?,
@@ -3560,7 +3615,12 @@ impl Keys<'_> {
             recurrent_pre_norms: olmo_hybrid,
             // Granite 4's and LFM2's mixers where some layer has one (Granite 4 Micro's attend
             // on every layer).
-            state_space: if (granite4 || bamba) && recurrent_layers { Some(self.state_space(dim)?) } else { None },
+            state_space: match () {
+                _ if falcon_h1 => Some(self.falcon_h1_state_space(dim)?),
+                _ if (granite4 || bamba) && recurrent_layers => Some(self.state_space(dim)?),
+                _ => None,
+            },
+            mup: if falcon_h1 { Some(self.falcon_h1_multipliers()?) } else { None },
             shared_mlp: granite4,
             short_conv: match lfm2 && recurrent_layers {
                 true => Some(ShortConvConfig {
@@ -3642,17 +3702,22 @@ impl Keys<'_> {
     /// Granite 4's Mamba-2 sizes (with `transformers`' defaults; a head's width by default
     /// `mamba_expand · hidden_size` over the heads).
     fn state_space(&self, dim: i64) -> KeyResult<StateSpaceConfig> {
+        let expand = self.int("mamba_expand")?.unwrap_or(2);
+        self.mamba2_sizes(expand.saturating_mul(dim), &format!("mamba_expand {expand} times hidden_size {dim}"))
+    }
+
+    /// The Mamba-2 sizes of Granite 4's keys around an inner width `inner` (which `width`
+    /// names for messages), with `transformers`' defaults; a head's width by default the
+    /// inner width over the heads.
+    fn mamba2_sizes(&self, inner: i64, width: &str) -> KeyResult<StateSpaceConfig> {
         let heads = self.int("mamba_n_heads")?.unwrap_or(128);
-        let inner = self.int("mamba_expand")?.unwrap_or(2).saturating_mul(dim);
         let head_dim = match self.get("mamba_d_head") {
             Some(Value::String(auto)) if auto == "auto" => inner / heads.max(1),
             _ => self.int("mamba_d_head")?.unwrap_or(inner / heads.max(1)),
         };
         if inner != heads.saturating_mul(head_dim) {
-            let expand = inner / dim.max(1);
             return Err(format!(
-                "config.json: mamba_n_heads {heads} of mamba_d_head {head_dim} are not mamba_expand {expand} times \
-                 hidden_size {dim}"
+                "config.json: mamba_n_heads {heads} of mamba_d_head {head_dim} are not {width}"
             ));
         }
         let (time_step_min, time_step_max) = match self.get("time_step_limit") {
@@ -3692,6 +3757,69 @@ impl Keys<'_> {
             proj_bias: self.flag("mamba_proj_bias")?.unwrap_or(false),
             time_step_min,
             time_step_max,
+            gated_norm: GatedNorm::GateThenNorm,
+        })
+    }
+
+    /// Falcon-H1's Mamba-2 sizes: Granite 4's keys with the width its own (`mamba_d_ssm`,
+    /// else `mamba_expand · hidden_size`), and its mixers' norm (none unless `mamba_rms_norm`,
+    /// then before the gate unless `mamba_norm_before_gate` says otherwise). Its class reads
+    /// the output projection's bias from `projectors_bias` and the input's from
+    /// `mamba_proj_bias`: Strata's mixer has both or neither.
+    fn falcon_h1_state_space(&self, dim: i64) -> KeyResult<StateSpaceConfig> {
+        let (inner, width) = match self.cfg.get("mamba_d_ssm") {
+            Some(Value::Null) => {
+                let expand = self.int("mamba_expand")?.unwrap_or(2);
+                (expand.saturating_mul(dim), format!("mamba_expand {expand} times hidden_size {dim}"))
+            }
+            _ => {
+                let inner = self.int("mamba_d_ssm")?.unwrap_or(1024);
+                (inner, format!("mamba_d_ssm {inner}"))
+            }
+        };
+        let (input_bias, output_bias) =
+            (self.flag("mamba_proj_bias")?.unwrap_or(false), self.flag("projectors_bias")?.unwrap_or(false));
+        if input_bias != output_bias {
+            return Err(format!(
+                "config.json: mamba_proj_bias = {input_bias} beside projectors_bias = {output_bias} is not supported \
+                 (the Mamba-2 mixer's projections have biases on both or on neither)"
+            ));
+        }
+        let gated_norm = match (self.flag("mamba_rms_norm")?, self.flag("mamba_norm_before_gate")?) {
+            (None | Some(false), _) => GatedNorm::GateAlone,
+            (Some(true), None | Some(true)) => GatedNorm::NormThenGate,
+            (Some(true), Some(false)) => GatedNorm::GateThenNorm,
+        };
+        Ok(StateSpaceConfig { gated_norm, ..self.mamba2_sizes(inner, &width)? })
+    }
+
+    /// Falcon-H1's μP multipliers, 1 where a key is absent.
+    fn falcon_h1_multipliers(&self) -> KeyResult<MupMultipliers> {
+        let one = |key: &str| Ok::<_, String>(self.float(key)?.unwrap_or(1.0));
+        let list = |key: &str, out: &mut [f64]| -> KeyResult<()> {
+            let Some(given) = self.get(key) else { return Ok(()) };
+            let values = given.as_array().filter(|v| v.len() == out.len()).ok_or_else(|| {
+                format!("config.json: {key} is not a list of {} numbers ({given})", out.len())
+            })?;
+            for (slot, v) in out.iter_mut().zip(values) {
+                *slot = v.as_f64().ok_or_else(|| format!("config.json: {key} holds {v}, not a number"))?;
+            }
+            Ok(())
+        };
+        let (mut projection, mut mlp) = ([1.0; 5], [1.0; 2]);
+        list("ssm_multipliers", &mut projection)?;
+        list("mlp_multipliers", &mut mlp)?;
+        Ok(MupMultipliers {
+            embeddings: one("embedding_multiplier")?,
+            logits: one("lm_head_multiplier")?,
+            keys: one("key_multiplier")?,
+            attention_in: one("attention_in_multiplier")?,
+            attention_out: one("attention_out_multiplier")?,
+            recurrent_in: one("ssm_in_multiplier")?,
+            recurrent_out: one("ssm_out_multiplier")?,
+            recurrent_projection: projection,
+            gate: mlp[0],
+            down: mlp[1],
         })
     }
 
@@ -3812,6 +3940,7 @@ impl Keys<'_> {
             proj_bias: self.flag("use_bias")?.unwrap_or(false),
             time_step_min: self.float(key("mamba_dt_min", "time_step_min"))?.unwrap_or(0.001).max(0.0),
             time_step_max: None,
+            gated_norm: GatedNorm::GateThenNorm,
         })
     }
 
@@ -5052,6 +5181,44 @@ mod tests {
         ];
         for (keys, why) in refused {
             let error = read(Family::NemotronH, keys).unwrap_err();
+            assert!(error.contains(why), "{error}");
+        }
+    }
+
+    /// Falcon-H1's keys as its class reads them: every layer hybrid; the mixer's width from
+    /// `mamba_d_ssm` (1024 by default), from `mamba_expand` where that is null; its norm none
+    /// unless `mamba_rms_norm`, then before the gate unless `mamba_norm_before_gate` is
+    /// false; its μP multipliers 1 where absent; what it cannot run refused by name.
+    #[test]
+    fn falcon_h1_reads_its_mixers_and_multipliers_as_its_class_reads_them() {
+        let c = read(Family::FalconH1, json!({})).unwrap();
+        assert_eq!(c.layer_types.as_deref(), Some(&[LayerAttention::Hybrid; 3][..]));
+        assert!((0..3).all(|l| c.is_hybrid(l) && !c.is_linear(l)));
+        let m = c.state_space.as_ref().unwrap();
+        assert_eq!((m.inner(), m.heads, m.head_dim, m.gated_norm), (1024, 128, 8, GatedNorm::GateAlone));
+        let mup = c.mup.unwrap();
+        assert!(mup.recurrent_projection.iter().chain(&[mup.embeddings, mup.keys, mup.gate]).all(|&v| v == 1.0));
+        let norm = |keys: Value| read(Family::FalconH1, keys).unwrap().state_space.unwrap().gated_norm;
+        assert_eq!(norm(json!({"mamba_rms_norm": true})), GatedNorm::NormThenGate);
+        let after = json!({"mamba_rms_norm": true, "mamba_norm_before_gate": false});
+        assert_eq!(norm(after), GatedNorm::GateThenNorm);
+        let c = read(
+            Family::FalconH1,
+            json!({"mamba_d_ssm": null, "mamba_expand": 3, "mamba_n_heads": 4, "ssm_multipliers": [1, 2, 3, 4, 5],
+                   "mlp_multipliers": [0.5, 0.25], "key_multiplier": 0.7, "lm_head_multiplier": 0.1}),
+        )
+        .unwrap();
+        assert_eq!((c.state_space.unwrap().inner(), c.mup.unwrap().recurrent_projection), (96, [1., 2., 3., 4., 5.]));
+        let mup = c.mup.unwrap();
+        assert_eq!((mup.gate, mup.down, mup.keys, mup.logits), (0.5, 0.25, 0.7, 0.1));
+        let refused = [
+            (json!({"mamba_proj_bias": true}), "on both or on neither"),
+            (json!({"mlp_multipliers": [1.0]}), "mlp_multipliers is not a list of 2 numbers"),
+            (json!({"ssm_multipliers": [1, 1, 1, 1, "x"]}), "holds \"x\""),
+            (json!({"mamba_d_ssm": 100, "mamba_n_heads": 8}), "are not mamba_d_ssm 100"),
+        ];
+        for (keys, why) in refused {
+            let error = read(Family::FalconH1, keys).unwrap_err();
             assert!(error.contains(why), "{error}");
         }
     }

@@ -240,7 +240,6 @@ impl GatedDeltaNet {
             .f_mul(&a.f_add(&p[self.dt_bias].f_to_kind(Kind::Float)?)?.f_softplus()?)?;
         let (out, state) = chunked_delta_rule(&q, &k, &v, &decay, &beta, state.as_ref(), ratio)?;
         if let Some(cache) = cache {
-            cache.advance(t);
             cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: Some(state.f_detach()?) });
         }
         // RMS norm per value head, then gated by silu(z) in fp32.

@@ -16,7 +16,10 @@
 //!   norms after attention and the feed-forward as well as before;
 //! - Phi-3's fused `qkv_proj` and `gate_up_proj`;
 //! - Granite's multipliers of the embeddings, of each sub-layer's output and of the scores,
-//!   and its divisor of the logits;
+//!   and its divisor of the logits; Falcon-H1's μP multipliers ([`MupMultipliers`]);
+//! - recurrent mixers ([`super::linear`], [`super::mamba`], [`super::short_conv`]) in place
+//!   of attention on the layers `layer_types` marks `linear`, or beside it on those it marks
+//!   `hybrid` (Falcon-H1);
 //! - Gemma 4's global layers with heads of their own (wider, fewer key/value heads, values
 //!   from the key projection), a proportional rotation, values normed per head and a stored
 //!   scale of each block's output;
@@ -115,6 +118,9 @@ pub enum LayerAttention {
     /// No token mixer: the block is its feed-forward alone, behind its input norm
     /// (Nemotron-H's `mlp` and `moe` layers).
     FeedForwardOnly,
+    /// Attention over every earlier position and the recurrent mixer side by side: both read
+    /// the input norm and their outputs are summed (Falcon-H1's layers).
+    Hybrid,
 }
 
 /// The heads of the full-attention layers where they differ from the sliding layers' (Gemma
@@ -143,6 +149,51 @@ pub struct Multipliers {
     pub scores: f64,
     /// The logits' divisor (`logits_scaling`).
     pub logits: f64,
+}
+
+/// Falcon-H1's μP multipliers ([`LlamaConfig::mup`]): fixed scalars where its training
+/// scaled the activations, applied as they are so that the weights train as its files hold
+/// them (folding them into the weights would change what an optimizer step does).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MupMultipliers {
+    /// Of the token embeddings (`embedding_multiplier`).
+    pub embeddings: f64,
+    /// Of the logits (`lm_head_multiplier`).
+    pub logits: f64,
+    /// Of the keys (`key_multiplier`), applied as a factor of the score scale.
+    pub keys: f64,
+    /// Of attention's input (`attention_in_multiplier`).
+    pub attention_in: f64,
+    /// Of attention's output (`attention_out_multiplier`).
+    pub attention_out: f64,
+    /// Of the recurrent mixer's input (`ssm_in_multiplier`).
+    pub recurrent_in: f64,
+    /// Of the recurrent mixer's output (`ssm_out_multiplier`).
+    pub recurrent_out: f64,
+    /// Of a Mamba-2 input projection's parts `z`, `x`, `B`, `C` and `dt` (`ssm_multipliers`).
+    pub recurrent_projection: [f64; 5],
+    /// Of the feed-forward's gate before its activation (`mlp_multipliers`' first).
+    pub gate: f64,
+    /// Of the feed-forward's output (`mlp_multipliers`' second).
+    pub down: f64,
+}
+
+impl MupMultipliers {
+    fn all(&self) -> impl Iterator<Item = f64> + '_ {
+        [
+            self.embeddings,
+            self.logits,
+            self.keys,
+            self.attention_in,
+            self.attention_out,
+            self.recurrent_in,
+            self.recurrent_out,
+            self.gate,
+            self.down,
+        ]
+        .into_iter()
+        .chain(self.recurrent_projection)
+    }
 }
 
 /// The decoder's configuration: LLaMA's layout and the options its descendants add
@@ -215,6 +266,9 @@ pub struct LlamaConfig {
     /// `head_dim^-1/2`), logits divided by `logits`.
     #[serde(default)]
     pub multipliers: Option<Multipliers>,
+    /// Falcon-H1's μP multipliers.
+    #[serde(default)]
+    pub mup: Option<MupMultipliers>,
     /// The rotation of sliding-window layers where it differs from the others' (Gemma 3's
     /// local base).
     #[serde(default)]
@@ -395,6 +449,7 @@ impl LlamaConfig {
             value_norm: false,
             layer_scalar: false,
             multipliers: None,
+            mup: None,
             local_rope: None,
             norm: NormKind::Weighted,
             activation: Activation::Silu,
@@ -476,6 +531,13 @@ impl LlamaConfig {
     pub fn is_linear(&self, layer: usize) -> bool {
         self.recurrent_mixers() > 0
             && self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Linear))
+    }
+
+    /// Whether layer `layer` runs a recurrent mixer beside attention
+    /// ([`LayerAttention::Hybrid`]).
+    pub fn is_hybrid(&self, layer: usize) -> bool {
+        self.recurrent_mixers() > 0
+            && self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Hybrid))
     }
 
     /// Whether layer `layer` mixes positions (every layer but those `layer_types` marks
@@ -712,11 +774,14 @@ impl LlamaConfig {
         if let Some(short_conv) = &self.short_conv {
             short_conv.validate()?;
         }
-        let linear_layers = self.layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Linear));
+        let linear_layers = self
+            .layer_types
+            .as_ref()
+            .is_some_and(|t| t.iter().any(|k| matches!(k, LayerAttention::Linear | LayerAttention::Hybrid)));
         if usize::from(linear_layers) != self.recurrent_mixers() {
             return Err(Error::Config(
                 "linear attention needs one kind's sizes (a Gated DeltaNet's, a Mamba-2 mixer's or a short \
-                 convolution's) and the layers layer_types marks linear_attention"
+                 convolution's) and the layers layer_types marks linear_attention or hybrid"
                     .into(),
             ));
         }
@@ -740,6 +805,25 @@ impl LlamaConfig {
             }
             if self.scale_embeddings || self.query_pre_attn_scalar.is_some() || self.latent.is_some() {
                 return Err(Error::Config("multipliers take the place of scaled embeddings and score scales".into()));
+            }
+        }
+        if let Some(m) = &self.mup {
+            if !m.all().all(|v| v.is_finite() && v != 0.0) {
+                return Err(Error::Config(format!("μP multipliers must be finite and nonzero, got {m:?}")));
+            }
+            let elsewhere = self.multipliers.is_some()
+                || self.scale_embeddings
+                || self.logit_scale.is_some()
+                || self.query_pre_attn_scalar.is_some()
+                || self.latent.is_some();
+            if elsewhere {
+                return Err(Error::Config(
+                    "μP multipliers take the place of other multipliers, scaled embeddings, logits and score scales"
+                        .into(),
+                ));
+            }
+            if self.moe.is_some() || !self.activation.gated() {
+                return Err(Error::Config("μP multipliers scale a gated feed-forward, not experts".into()));
             }
         }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
@@ -862,15 +946,17 @@ struct DenseAndSparse {
 }
 
 impl DenseFeedForward {
-    /// The network over the normed hidden states `h`, entering and leaving the tensor group.
-    fn forward(&self, p: &Params<'_>, h: &Tensor, kinds: &Kinds) -> Result<Tensor> {
+    /// The network over the normed hidden states `h`, entering and leaving the tensor group;
+    /// its gate times `gate_scale` before the activation, where given.
+    fn forward(&self, p: &Params<'_>, h: &Tensor, kinds: &Kinds, gate_scale: Option<f64>) -> Result<Tensor> {
         let h = p.tp().enter(h)?;
         let dense = |(w, b): Dense| p.linear(&h, w, b);
+        let scaled = |gate: Tensor| gate_scale.map_or(Ok(gate.shallow_clone()), |s| gate.f_mul_scalar(s));
         let gated = match self.gate_up {
-            GateUpProjection::Apart { gate, up } => kinds.gate(&dense(gate)?, &dense(up)?)?,
+            GateUpProjection::Apart { gate, up } => kinds.gate(&scaled(dense(gate)?)?, &dense(up)?)?,
             GateUpProjection::Fused(both) => {
                 let halves = dense(both)?.f_chunk(2, -1)?;
-                kinds.gate(&halves[0], &halves[1])?
+                kinds.gate(&scaled(halves[0].shallow_clone())?, &halves[1])?
             }
             GateUpProjection::UpAlone { up, ref activation } => {
                 let up = dense(up)?;
@@ -1029,7 +1115,10 @@ impl Recurrent {
         let d = cfg.dim;
         match (&cfg.linear_attention, &cfg.state_space, &cfg.short_conv) {
             (Some(l), ..) => Some(Recurrent::DeltaNet(GatedDeltaNet::declare(u, name, l, d, cfg.norm_eps))),
-            (_, Some(s), _) => Some(Recurrent::StateSpace(Mamba2::declare(u, name, s, d, cfg.norm_eps))),
+            (_, Some(s), _) => {
+                let scales = cfg.mup.map(|m| m.recurrent_projection);
+                Some(Recurrent::StateSpace(Mamba2::declare(u, name, s, (d, cfg.norm_eps), scales)))
+            }
             (.., Some(c)) => Some(Recurrent::ShortConv(ShortConv::declare(u, name, c, d))),
             (None, None, None) => None,
         }
@@ -1084,6 +1173,11 @@ struct LlamaBlock {
     residual_multiplier: Option<f64>,
     /// The feed-forward reads the input norm beside attention ([`LlamaConfig::parallel_block`]).
     parallel: bool,
+    /// A recurrent mixer beside attention over the same normed input ([`LayerAttention::Hybrid`]).
+    beside: Option<Recurrent>,
+    /// The multipliers of the mixers' inputs and outputs and of the feed-forward's output
+    /// (Falcon-H1's).
+    mup: Option<MupMultipliers>,
 }
 
 impl Unit for LlamaBlock {
@@ -1097,7 +1191,7 @@ impl Unit for LlamaBlock {
         self.run(p, x, Some(cache))
     }
     fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
-        if let Some(Mixer::Linear(_)) = self.mixer {
+        if matches!(self.mixer, Some(Mixer::Linear(_))) || self.beside.is_some() {
             return Err(Error::Config(
                 "linear attention's state runs along the whole row: it does not split over context ranks".into(),
             ));
@@ -1106,6 +1200,9 @@ impl Unit for LlamaBlock {
     }
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
         divides_heads(tp, "heads", self.heads)?;
+        if self.beside.is_some() && tp > 1 {
+            return Err(Error::Config("a recurrent mixer beside attention does not split over tensor ranks".into()));
+        }
         match &self.mixer {
             Some(Mixer::Linear(_)) if tp > 1 => {
                 Err(Error::Config("linear attention does not split over tensor ranks".into()))
@@ -1256,7 +1353,27 @@ impl LlamaBlock {
         };
         let attended = match (&self.mixer, cache) {
             (None, _) => None,
-            (Some(mixer), cache) => Some(self.mix(p, mixer, tp.enter(&normed)?, heads, start, cache)?),
+            (Some(mixer), mut cache) => {
+                let h = tp.enter(&normed)?;
+                let scaled = |x: &Tensor, by: Option<f64>| by.map_or(Ok(x.shallow_clone()), |m| x.f_mul_scalar(m));
+                // The mixer beside attention first: attention's cache moves past the positions.
+                let beside = match &self.beside {
+                    Some(recurrent) => {
+                        let h = scaled(&h, self.mup.map(|m| m.recurrent_in))?;
+                        let y = self.recurrent_mix(p, recurrent, h, cache.as_deref_mut())?;
+                        Some(scaled(&y, self.mup.map(|m| m.recurrent_out))?)
+                    }
+                    None => None,
+                };
+                let attending = matches!(mixer, Mixer::Attention(_));
+                let mup = self.mup.filter(|_| attending);
+                let h = scaled(&h, mup.map(|m| m.attention_in))?;
+                let y = scaled(&self.mix(p, mixer, h, heads, start, cache)?, mup.map(|m| m.attention_out))?;
+                Some(match beside {
+                    Some(beside) => y.f_add(&beside)?,
+                    None => y,
+                })
+            }
         };
         // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
         let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];
@@ -1282,13 +1399,20 @@ impl LlamaBlock {
             None => x,
             Some(feed_forward) => {
                 let fed = match feed_forward {
-                    FeedForward::Dense(dense) => dense.forward(p, &h, &self.kinds)?,
+                    FeedForward::Dense(dense) => {
+                        let gate_scale = self.mup.map(|m| m.gate);
+                        let fed = dense.forward(p, &h, &self.kinds, gate_scale)?;
+                        match self.mup {
+                            Some(m) => fed.f_mul_scalar(m.down)?,
+                            None => fed,
+                        }
+                    }
                     FeedForward::Sparse(experts) => experts.forward(p, &h, None)?,
                     FeedForward::BesideShared { shared, sparse } => {
-                        sparse.forward(p, &h, None)?.f_add(&shared.forward(p, &h, &self.kinds)?)?
+                        sparse.forward(p, &h, None)?.f_add(&shared.forward(p, &h, &self.kinds, None)?)?
                     }
                     FeedForward::Both(both) => {
-                        let dense = self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds)?, both.after_dense)?;
+                        let dense = self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds, None)?, both.after_dense)?;
                         let experts_input = self.kinds.norm(p, &x, both.before_experts)?;
                         let routed = both.sparse.forward(p, &experts_input, Some(&x))?;
                         dense.f_add(&self.kinds.norm(p, &routed, both.after_experts)?)?
@@ -1316,24 +1440,13 @@ impl LlamaBlock {
         cache: Option<&mut DecodeCache>,
     ) -> Result<Tensor> {
         Ok(match (mixer, cache) {
-            (Mixer::Linear(linear), cache) => {
-                let keep =
-                    match (p.layout(), &cache) {
-                        (Some(_), None) => return Err(Error::Config(
-                            "linear attention takes no packed rows: its state would carry from one example to the next"
-                                .into(),
-                        )),
-                        (Some(layout), Some(_)) => Some(layout.examples.f_ne(0)?.f_to_kind(h.kind())?),
-                        (None, _) => None,
-                    };
-                // A decoded row's left padding enters as zeros, and the mixers zero what their
-                // biases make of it, which leaves the convolution's inputs and the recurrent
-                // state as they start: the text follows as if alone.
-                let h = match &keep {
-                    Some(keep) => h.f_mul(&keep.f_unsqueeze(-1)?)?,
-                    None => h,
-                };
-                linear.forward(p, &h, cache, keep.as_ref())?
+            (Mixer::Linear(linear), mut cache) => {
+                let t = h.size()[1];
+                let y = self.recurrent_mix(p, linear, h, cache.as_deref_mut())?;
+                if let Some(cache) = cache {
+                    cache.advance(t);
+                }
+                y
             }
             (Mixer::Attention(a), mut cache) => {
                 let placed = match p.layout() {
@@ -1364,6 +1477,34 @@ impl LlamaBlock {
                 p.row_linear(&y, a.o.0, a.o.1)?
             }
         })
+    }
+
+    /// A recurrent mixer's output over the normed input `h`, continuing from and leaving its
+    /// state in `cache` without moving the cache's position.
+    fn recurrent_mix(
+        &self,
+        p: &Params<'_>,
+        recurrent: &Recurrent,
+        h: Tensor,
+        cache: Option<&mut DecodeCache>,
+    ) -> Result<Tensor> {
+        let keep = match (p.layout(), &cache) {
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "linear attention takes no packed rows: its state would carry from one example to the next".into(),
+                ))
+            }
+            (Some(layout), Some(_)) => Some(layout.examples.f_ne(0)?.f_to_kind(h.kind())?),
+            (None, _) => None,
+        };
+        // A decoded row's left padding enters as zeros, and the mixers zero what their
+        // biases make of it, which leaves the convolution's inputs and the recurrent
+        // state as they start: the text follows as if alone.
+        let h = match &keep {
+            Some(keep) => h.f_mul(&keep.f_unsqueeze(-1)?)?,
+            None => h,
+        };
+        recurrent.forward(p, &h, cache, keep.as_ref())
     }
 
     /// A sub-layer's output times the residual multiplier, where there is one.
@@ -1483,9 +1624,10 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let kinds = Kinds { norm: cfg.norm, activation: cfg.activation, eps: cfg.norm_eps };
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-    let scale = match cfg.multipliers {
-        Some(m) => Some(m.embeddings),
-        None => cfg.scale_embeddings.then(|| (d as f64).sqrt()),
+    let scale = match (cfg.multipliers, cfg.mup) {
+        (Some(m), _) => Some(m.embeddings),
+        (None, Some(m)) => Some(m.embeddings),
+        (None, None) => cfg.scale_embeddings.then(|| (d as f64).sqrt()),
     };
     u.declare_cost(UnitCost::looking_up(Kept::ids(d).with_dropout(super::dropout::masked(rates.embedding, d), false)));
     u.finish(TokenEmbedding {
@@ -1525,6 +1667,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
             _ => (None, None, q_out),
         };
+        let beside = cfg.is_hybrid(layer).then(|| Recurrent::declare(&mut u, &name, cfg)).flatten();
         let grouped = mixes && linear.is_none() && latent.is_none();
         let q_rows = if cfg.attention_output_gate { 2 * q_out } else { q_out };
         let sparse = cfg.moe.as_ref().filter(|m| feeds && m.is_sparse(i)).zip(balance.as_ref());
@@ -1712,7 +1855,13 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
         };
         let attends = mixes && linear.is_none();
-        let kept = Kept::block(attention_kept + feed_forward_kept + 7.0, if attends { cfg.heads } else { 0 }, d)
+        // A mixer beside attention keeps its own values too.
+        let beside_kept = if beside.is_some() { Recurrent::kept_per_token(cfg) } else { 0.0 };
+        let kept = Kept::block(
+            attention_kept + beside_kept + feed_forward_kept + 7.0,
+            if attends { cfg.heads } else { 0 },
+            d,
+        )
             .with_dropout(super::dropout::masked(cfg.dropout.residual, 2 * d), cfg.dropout.attention > 0.0 && attends);
         u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, attention_width) });
         let attention = |inputs, o| {
@@ -1721,7 +1870,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 o: (o, o_bias),
                 sinks,
                 options: AttentionOptions {
-                    scale: cfg.multipliers.map(|m| m.scores).or(scale),
+                    scale: match (cfg.multipliers, cfg.mup) {
+                        (Some(m), _) => Some(m.scores),
+                        // Keys times a multiplier: the scores times it.
+                        (None, Some(m)) => Some(m.keys * scale.unwrap_or((hd as f64).powf(-0.5))),
+                        (None, None) => scale,
+                    },
                     window,
                     softcap: cfg.attn_softcap,
                     bidirectional: false,
@@ -1772,6 +1926,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             scalar,
             residual_multiplier: cfg.multipliers.map(|m| m.residual),
             parallel: cfg.parallel_block,
+            beside,
+            mup: cfg.mup,
         });
     }
     let mut u = b.unit("head");
@@ -1791,7 +1947,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         vocab: cfg.vocab,
         softcap: cfg.logit_softcap,
         divisor,
-        scale: cfg.logit_scale,
+        scale: cfg.logit_scale.or(cfg.mup.map(|m| m.logits)),
     };
     if cfg.tie_embeddings {
         let lm_head = u.borrow("model.embed_tokens.weight");

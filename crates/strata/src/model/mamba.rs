@@ -2,8 +2,8 @@
 //! `[head_dim, state]` that each position decays by `exp(dt·A)` and writes `dt·x ⊗ B`
 //! into, read with `C`; `dt`, `B` and `C` come from the input, `A` and the skip `D` are
 //! learned per head. Before it a short causal depthwise convolution (with a bias) over `x`,
-//! `B` and `C`, followed by silu; after it an RMS norm over groups of the heads' outputs,
-//! gated by `silu(z)` before it norms. Training computes the scan in chunks, as
+//! `B` and `C`, followed by silu; after it the gate `silu(z)` and an RMS norm over groups of
+//! the heads' outputs, in the order [`GatedNorm`] gives (or the gate alone). Training computes the scan in chunks, as
 //! `transformers`' own torch path does: within a chunk as a masked product, between chunks
 //! through the state.
 //!
@@ -42,6 +42,23 @@ pub struct StateSpaceConfig {
     /// The step `dt` clamped from above, where it is (`time_step_limit`'s second value).
     #[serde(default)]
     pub time_step_max: Option<f64>,
+    /// How the output meets its gate and its norm.
+    #[serde(default)]
+    pub gated_norm: GatedNorm,
+}
+
+/// How a Mamba-2 mixer's output meets its gate `silu(z)` and its RMS norm (over each group
+/// of heads).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GatedNorm {
+    /// Gated, then normed (Granite 4's, Bamba's and Nemotron-H's mixers).
+    #[default]
+    GateThenNorm,
+    /// Normed, then gated (Falcon-H1's with `mamba_norm_before_gate`).
+    NormThenGate,
+    /// Gated alone: the mixer has no norm (Falcon-H1's without `mamba_rms_norm`).
+    GateAlone,
 }
 
 impl StateSpaceConfig {
@@ -102,21 +119,26 @@ pub(crate) struct Mamba2 {
     dt_bias: ParamId,
     a_log: ParamId,
     skip: ParamId,
-    norm: ParamId,
+    /// `None` where the gate alone meets the output ([`GatedNorm::GateAlone`]).
+    norm: Option<ParamId>,
     out_proj: (ParamId, Option<ParamId>),
     config: StateSpaceConfig,
     norm_eps: f64,
+    /// Multipliers of the input projection's parts `z`, `x`, `B`, `C` and `dt`, where the
+    /// family scales them (Falcon-H1's `ssm_multipliers`).
+    projection_scales: Option<[f64; 5]>,
 }
 
 impl Mamba2 {
     /// Declares layer `name`'s mixer over hidden states `dim` wide, named as Granite 4's
-    /// folders name it (`{name}.mamba.*`).
+    /// folders name it (`{name}.mamba.*`), its input projection's parts scaled by
+    /// `projection_scales` where given.
     pub(crate) fn declare(
         u: &mut UnitBuilder<'_>,
         name: &str,
         config: &StateSpaceConfig,
-        dim: i64,
-        norm_eps: f64,
+        (dim, norm_eps): (i64, f64),
+        projection_scales: Option<[f64; 5]>,
     ) -> Mamba2 {
         let normal = Init::Normal { std: INIT_STD };
         let at = |what: &str| format!("{name}.mamba.{what}");
@@ -139,10 +161,12 @@ impl Mamba2 {
             // A = -exp(A_log) = -1 on every head to start.
             a_log: u.param(at("A_log"), &[c.heads], Init::Zeros, whole),
             skip: u.param(at("D"), &[c.heads], Init::Ones, whole),
-            norm: u.norm(at("norm.weight"), &[c.inner()], Init::Ones, whole),
+            norm: (c.gated_norm != GatedNorm::GateAlone)
+                .then(|| u.norm(at("norm.weight"), &[c.inner()], Init::Ones, whole)),
             out_proj,
             config: config.clone(),
             norm_eps,
+            projection_scales,
         }
     }
 
@@ -160,7 +184,15 @@ impl Mamba2 {
     ) -> Result<Tensor> {
         let c = &self.config;
         let (b, t) = (h.size()[0], h.size()[1]);
-        let projected = p.linear(h, self.in_proj.0, self.in_proj.1)?;
+        let mut projected = p.linear(h, self.in_proj.0, self.in_proj.1)?;
+        if let Some(scales) = self.projection_scales {
+            let group_width = c.groups * c.state;
+            let widths = [c.inner(), c.inner(), group_width, group_width, c.heads];
+            let opts = (projected.kind(), projected.device());
+            let parts =
+                widths.iter().zip(scales).map(|(&w, s)| Tensor::f_full([w], s, opts)).collect::<std::result::Result<Vec<_>, _>>()?;
+            projected = projected.f_mul(&Tensor::f_cat(&parts, 0)?)?;
+        }
         let parts = projected.f_split_with_sizes([c.inner(), c.conv_channels(), c.heads], -1)?;
         let [z, mut mixed, dt] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("in_proj split".into()))?;
         let keep = keep.map(|k| k.f_unsqueeze(-1)?.f_to_kind(mixed.kind())).transpose()?;
@@ -192,17 +224,23 @@ impl Mamba2 {
         // Chunks no longer than the row: a decoded token is a chunk of one.
         let (y, state) = scan.chunked(c.chunk.min(t.max(1)), initial.as_ref())?;
         if let Some(cache) = cache {
-            cache.advance(t);
             cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: Some(state.f_detach()?) });
         }
-        // The skip, then the gate, then an RMS norm over each group of heads, all in fp32.
+        // The skip, then the gate and an RMS norm over each group of heads, all in fp32.
         let skip = p[self.skip].f_to_kind(Kind::Float)?.f_unsqueeze(-1)?;
         let y = y.f_add(&x.f_to_kind(Kind::Float)?.f_mul(&skip)?)?.f_reshape([b, t, -1])?;
-        let gated = y.f_mul(&z.f_to_kind(Kind::Float)?.f_silu()?)?;
-        let normed = super::layers::rms_normalized(&gated.f_view([b, t, c.groups, -1])?, self.norm_eps)?
-            .f_reshape([b, t, -1])?
-            .f_mul(&p[self.norm].f_to_kind(Kind::Float)?)?;
-        p.linear(&normed.f_to_kind(h.kind())?, self.out_proj.0, self.out_proj.1)
+        let gate = z.f_to_kind(Kind::Float)?.f_silu()?;
+        let norm = |y: &Tensor, weight: ParamId| -> Result<Tensor> {
+            Ok(super::layers::rms_normalized(&y.f_view([b, t, c.groups, -1])?, self.norm_eps)?
+                .f_reshape([b, t, -1])?
+                .f_mul(&p[weight].f_to_kind(Kind::Float)?)?)
+        };
+        let out = match (c.gated_norm, self.norm) {
+            (GatedNorm::NormThenGate, Some(weight)) => norm(&y, weight)?.f_mul(&gate)?,
+            (_, Some(weight)) => norm(&y.f_mul(&gate)?, weight)?,
+            (_, None) => y.f_mul(&gate)?,
+        };
+        p.linear(&out.f_to_kind(h.kind())?, self.out_proj.0, self.out_proj.1)
     }
 }
 

@@ -35,8 +35,10 @@ pub use hf::{from_pretrained_dir, Family, GenerationDefaults, ModelDir};
 pub use latent::LatentConfig;
 pub use layers::NoTensorParallel;
 pub use linear::LinearAttentionConfig;
-pub use llama::{llama, Activation, DecoderHead, FullLayerHeads, LayerAttention, LlamaConfig, Multipliers, NormKind};
-pub use mamba::StateSpaceConfig;
+pub use llama::{
+    llama, Activation, DecoderHead, FullLayerHeads, LayerAttention, LlamaConfig, MupMultipliers, Multipliers, NormKind,
+};
+pub use mamba::{GatedNorm, StateSpaceConfig};
 pub use mlp::{mlp, MlpConfig};
 pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
 pub use presets::{preset, preset_names};

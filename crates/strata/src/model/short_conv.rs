@@ -87,7 +87,6 @@ impl ShortConv {
         }
         let (convolved, kept) = causal_conv(&gated, &p[self.conv.0], bias, previous)?;
         if let Some(cache) = cache {
-            cache.advance(h.size()[1]);
             cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: None });
         }
         p.linear(&output_gate.f_mul(&convolved)?, self.out_proj.0, self.out_proj.1)

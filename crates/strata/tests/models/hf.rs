@@ -315,7 +315,7 @@ fn greedy_generation_equals_transformers() {
 /// the cache: with it, shorter prompts are padded on the left (in every attention kind:
 /// plain, windowed and soft-capped, with sinks, latent, linear, Mamba-2's with its
 /// convolution's bias, LFM2's short convolution with its projection's bias, Nemotron-H's
-/// blocks of one sub-layer), without it rows of one
+/// blocks of one sub-layer, Falcon-H1's Mamba-2 mixers beside attention), without it rows of one
 /// length share a batch; a row that meets a stop token ends there while the others go on.
 /// Sampled, each row draws from its own stream, the same alone or beside other prompts.
 #[test]
@@ -332,6 +332,7 @@ fn batched_generation_equals_one_at_a_time() {
         "granite4-dense",
         "lfm2",
         "nemotron-h",
+        "falcon-h1-ungated",
     ];
     for family in families {
         let work = tempfile::tempdir().unwrap();
@@ -795,6 +796,24 @@ fn olmo_hybrid_matches_transformers() {
 #[test]
 fn nemotron_h_matches_transformers() {
     family_matches_transformers("nemotron-h", 24);
+}
+
+/// Falcon-H1 (its larger releases' mixers): on every layer a Mamba-2 mixer 48 wide (not a
+/// multiple of the hidden size), gated then normed, beside attention with heads of their own
+/// width, under Bamba's names; every μP multiplier (embeddings, keys, each mixer's input and
+/// output, the mixer's five projected parts, the feed-forward's gate and output, the logits)
+/// away from one.
+#[test]
+fn falcon_h1_matches_transformers() {
+    family_matches_transformers("falcon-h1", 24);
+}
+
+/// Falcon-H1's other mixer outputs: gated without a norm (its 0.5B model's, beside a tied
+/// head), and normed before the gate (its class's order where `mamba_rms_norm` alone is set).
+#[test]
+fn falcon_h1_mixer_norms_match_transformers() {
+    logits_match("falcon-h1-ungated", None);
+    logits_match("falcon-h1-norm-first", None);
 }
 
 /// Phi-3.5 and Phi-4-mini's LongRoPE: short factors within the original context, long ones
@@ -1887,8 +1906,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 53] = [
+const DECODER_TYPES: [&str; 54] = [
     "llama",
+    "falcon_h1",
     "solar_open",
     "dots1",
     "nemotron_h",
