@@ -504,6 +504,14 @@ def decoder_families():
         # The class's default order where the mixers have a norm: normed, then gated.
         "falcon-h1-norm-first": lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
             **dict(falcon_h1, mamba_norm_before_gate=True))),
+        # Jamba: Mamba-1 mixers (state 8, a step of rank 4) on the even layers, attention
+        # turning no position on the odd ones; four experts, two per token, on every other
+        # layer from the first, dense networks on the others.
+        "jamba": lambda: (tf.JambaForCausalLM, tf.JambaConfig(
+            **common, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=4, router_aux_loss_coef=0.02,
+            use_mamba_kernels=False, tie_word_embeddings=False)),
         # LFM2-MoE: LFM2's layers, the first dense (40 wide, as given), the others with four
         # experts, two per token, chosen by sigmoid scores plus a choice bias (drawn in build)
         # and weighted by the renormalised scores times 1.5.

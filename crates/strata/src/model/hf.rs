@@ -19,6 +19,7 @@ use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
 use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, MupMultipliers, Multipliers, NormKind};
 use super::mamba::{GatedNorm, StateSpaceConfig};
+use super::selective::{InnerNorms, SelectiveScanConfig};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
 use super::short_conv::ShortConvConfig;
@@ -127,6 +128,10 @@ pub enum Family {
     /// Falcon-H1 (`falcon_h1`): on every layer a Mamba-2 mixer and attention side by side
     /// over the same normed input, μP multipliers throughout, under Bamba's names.
     FalconH1,
+    /// Jamba (`jamba`): Mamba-1 mixers with normed steps, `B` and `C` beside attention that
+    /// turns no position, every `attn_layer_period`-th layer from `attn_layer_offset`; experts
+    /// every `expert_layer_period`-th from `expert_layer_offset`; under Bamba's names.
+    Jamba,
     /// LFM2 (`lfm2`): gated short convolutions on the layers `layer_types` marks `conv`,
     /// attention with per-head query/key norms on the others, under its own names.
     Lfm2,
@@ -280,6 +285,11 @@ const BAMBA_NAMES: [(&str, &str); 5] = [
     ("model.norm.weight", "model.final_layernorm.weight"),
 ];
 
+/// Jamba's names of Strata's norms (Bamba's; its feed-forwards are `feed_forward` in
+/// Strata too, [`LlamaConfig::feed_forward_module`]).
+const JAMBA_NAMES: [(&str, &str); 2] =
+    [("post_attention_layernorm.weight", "pre_ff_layernorm.weight"), ("model.norm.weight", "model.final_layernorm.weight")];
+
 const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"),
     ("pre_feedforward_layernorm.weight", "post_attention_layernorm.weight"),
@@ -348,7 +358,7 @@ fn split_factor(name: &str) -> (&str, &str) {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 57] = [
+const FAMILIES: [Family; 58] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -383,6 +393,7 @@ const FAMILIES: [Family; 57] = [
     Family::Lfm2Moe,
     Family::Bamba,
     Family::FalconH1,
+    Family::Jamba,
     Family::Llama4,
     Family::Mixtral,
     Family::MiniMaxM2,
@@ -444,6 +455,7 @@ impl Family {
             Family::Lfm2 => "lfm2",
             Family::Bamba => "bamba",
             Family::FalconH1 => "falcon_h1",
+            Family::Jamba => "jamba",
             Family::Lfm2Moe => "lfm2_moe",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
@@ -519,6 +531,7 @@ impl Family {
             Family::Lfm2 => "Lfm2",
             Family::Bamba => "Bamba",
             Family::FalconH1 => "FalconH1",
+            Family::Jamba => "Jamba",
             Family::Lfm2Moe => "Lfm2Moe",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
@@ -614,7 +627,7 @@ impl Family {
                 Cohere | Cohere2 | FalconH1 => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
-                Bamba => 262_144,
+                Bamba | Jamba => 262_144,
                 _ => 2048,
             },
             norm_eps: match self {
@@ -655,7 +668,7 @@ impl Family {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl | Lfm2
-                | Lfm2Moe | Bamba | NemotronH | SolarOpen | FalconH1 => Some(8),
+                | Lfm2Moe | Bamba | NemotronH | SolarOpen | FalconH1 | Jamba => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl | Dots1 => Some(32),
                 _ => None,
@@ -796,7 +809,7 @@ impl Family {
 
     /// The family a built-in model is written as, by the options it uses, the first that
     /// applies: GPT as GPT-2; Nemotron-H (blocks of one sub-layer); Granite 4 (its `shared_mlp`); Falcon-H1 (μP
-    /// multipliers); Bamba (Mamba-2 mixers without experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
+    /// multipliers); Jamba (Mamba-1 mixers); Bamba (Mamba-2 mixers without experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V2 (latent attention with softmax
     /// scores), GLM-4.7-Flash (latent attention with dense
@@ -841,6 +854,9 @@ impl Family {
         }
         if c.mup.is_some() {
             return Ok(Family::FalconH1);
+        }
+        if c.selective_scan.is_some() {
+            return Ok(Family::Jamba);
         }
         if c.state_space.is_some() && c.moe.is_none() {
             return Ok(Family::Bamba);
@@ -923,6 +939,12 @@ impl Family {
     fn cannot_write(self, c: &LlamaConfig) -> Option<String> {
         if self == Family::NemotronH {
             return nemotron_h_cannot_hold(c).map(|what| format!("a nemotron_h model cannot hold {what}"));
+        }
+        if self == Family::Jamba {
+            return jamba_cannot_hold(c).map(|what| format!("a jamba model cannot hold {what}"));
+        }
+        if c.selective_scan.is_some() {
+            return Some(format!("a {} model cannot hold Mamba-1 mixers", self.model_type()));
         }
         let gemma = self.is_gemma();
         let olmoe = self == Family::Olmoe;
@@ -1545,6 +1567,7 @@ impl Family {
             Family::GraniteMoe | Family::GraniteMoeHybrid => &[&GRANITE_MOE_STACKS],
             Family::Lfm2 | Family::Lfm2Moe => &[&LFM2_NAMES],
             Family::Bamba | Family::FalconH1 => &[&BAMBA_NAMES],
+            Family::Jamba => &[&JAMBA_NAMES],
             Family::OlmoHybrid => &[&OLMO_HYBRID_NAMES],
             _ => &[],
         };
@@ -1878,6 +1901,125 @@ fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
     ]
     .into_iter()
     .find_map(|(bad, what)| bad.then_some(what))
+}
+
+/// The period and offset of the layers `flags` marks (every `period`-th from `offset`), the
+/// shortest that gives them; `None` where no period does. None marked is an offset past the
+/// last layer.
+fn layer_period(flags: &[bool]) -> Option<(i64, i64)> {
+    let n = flags.len() as i64;
+    (1..=n + 1).flat_map(|p| (0..p).map(move |o| (p, o))).find(|&(p, o)| {
+        flags.iter().enumerate().all(|(i, &marked)| (i as i64 % p == o) == marked)
+    })
+}
+
+/// What of `c` Jamba's files cannot say, if anything: its attention and experts recur with
+/// a period, its mixers are Mamba-1's with weighted norms, its experts are Jamba's.
+fn jamba_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
+    let attending: Vec<bool> = (0..c.layers as usize).map(|l| !c.is_linear(l)).collect();
+    let experts_fit = c.moe.as_ref().is_none_or(|m| {
+        let sparse: Vec<bool> = (0..c.layers).map(|l| m.is_sparse(l)).collect();
+        MoeConfig {
+            dense_layers: m.dense_layers.clone(),
+            sparse_step: m.sparse_step,
+            aux_loss_coef: m.aux_loss_coef,
+            names: ExpertNames::FeedForward,
+            ..MoeConfig::new(m.experts, m.top_k, c.hidden())
+        } == *m
+            && m.experts > 1
+            && layer_period(&sparse).is_some()
+    });
+    let mixer_fits = c.selective_scan.as_ref().is_some_and(|s| {
+        s.inner % c.dim == 0 && s.inner_norms == Some(InnerNorms { eps: c.norm_eps, weighted: true })
+    });
+    [
+        (!mixer_fits, "mixers other than Mamba-1's with weighted norms at its epsilon, a whole multiple wide"),
+        (layer_period(&attending).is_none(), "attention layers other than every period-th from an offset"),
+        (
+            c.layers > 0 && c.unrotated_layers.len() as i64 != c.layers,
+            "attention that turns positions",
+        ),
+        (
+            c.norm != NormKind::Weighted
+                || c.norm_bias
+                || c.activation != Activation::Silu
+                || c.mlp_bias
+                || c.fc_names
+                || c.fused_projections
+                || c.fused_gate_up,
+            "norms other than RMS norms, or a feed-forward other than SwiGLU without biases",
+        ),
+        (
+            c.qkv_bias
+                || c.o_bias
+                || c.qk_norm
+                || c.clip_qkv.is_some()
+                || c.attention_sinks
+                || c.attention_output_gate
+                || c.value_norm
+                || c.full_layer_heads.is_some()
+                || c.latent.is_some()
+                || c.query_scaling.is_some()
+                || c.qk_l2_norm,
+            "attention other than grouped heads without biases or norms",
+        ),
+        (
+            c.sliding_window.is_some()
+                || c.attention_chunk.is_some()
+                || c.attn_softcap.is_some()
+                || c.logit_softcap.is_some()
+                || c.query_pre_attn_scalar.is_some()
+                || c.sandwich_norms
+                || c.post_norms
+                || c.parallel_block
+                || c.mixer_alone
+                || c.layer_types.as_ref().is_some_and(|t| {
+                    t.iter().any(|k| !matches!(k, LayerAttention::Full | LayerAttention::Linear))
+                }),
+            "windows, chunks, soft-capping, other score scales or other blocks",
+        ),
+        (
+            c.multipliers.is_some() || c.mup.is_some() || c.scale_embeddings || c.logit_scale.is_some(),
+            "scaled embeddings or logits",
+        ),
+        (
+            c.linear_attention.is_some() || c.state_space.is_some() || c.short_conv.is_some() || c.shared_mlp,
+            "mixers other than Mamba-1's",
+        ),
+        (c.dropout.residual > 0.0 || c.dropout.embedding > 0.0, "dropout other than the attention's"),
+        (
+            !experts_fit,
+            "experts other than its own (softmax scores weighting unrenormalised, as wide as the dense \
+             feed-forward, on every period-th layer, no shared expert)",
+        ),
+    ]
+    .into_iter()
+    .find_map(|(bad, what)| bad.then_some(what))
+}
+
+/// Jamba's own `config.json` keys of `c` (checked by [`jamba_cannot_hold`]): its layers'
+/// periods and its mixers' sizes, in place of the rotation and biases it has no keys for.
+fn jamba_json(c: &LlamaConfig, v: &mut Value) {
+    let attending: Vec<bool> = (0..c.layers as usize).map(|l| !c.is_linear(l)).collect();
+    let (period, offset) = layer_period(&attending).unwrap_or((1, 0));
+    v["attn_layer_period"] = json!(period);
+    v["attn_layer_offset"] = json!(offset);
+    if c.moe.is_none() {
+        v["num_experts"] = json!(1);
+    }
+    if let Some(s) = &c.selective_scan {
+        v["mamba_expand"] = json!(s.inner / c.dim);
+        v["mamba_d_state"] = json!(s.state);
+        v["mamba_d_conv"] = json!(s.conv_kernel);
+        v["mamba_dt_rank"] = json!(s.time_step_rank);
+        v["mamba_conv_bias"] = json!(s.conv_bias);
+        v["mamba_proj_bias"] = json!(s.proj_bias);
+    }
+    if let Some(keys) = v.as_object_mut() {
+        for key in ["rope_parameters", "attention_bias", "mlp_bias"] {
+            keys.remove(key);
+        }
+    }
 }
 
 /// Nemotron-H's `config.json` keys of `c` (checked by [`nemotron_h_cannot_hold`]).
@@ -2253,6 +2395,9 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     if let Some(moe) = &c.moe {
         experts_json(family, c, moe, &mut v);
     }
+    if family == Family::Jamba {
+        jamba_json(c, &mut v);
+    }
     // Keys Solar Open's class does not have.
     if let (Family::SolarOpen, Some(keys)) = (family, v.as_object_mut()) {
         keys.remove("intermediate_size");
@@ -2353,6 +2498,14 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         Family::GraniteMoe | Family::GraniteMoeHybrid => {
             v["num_local_experts"] = json!(moe.experts);
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
+        }
+        // Checked by [`jamba_cannot_hold`]: its sparse layers recur with a period.
+        Family::Jamba => {
+            v["num_experts"] = json!(moe.experts);
+            let sparse: Vec<bool> = (0..c.layers).map(|l| moe.is_sparse(l)).collect();
+            let (period, offset) = layer_period(&sparse).unwrap_or((1, 0));
+            v["expert_layer_period"] = json!(period);
+            v["expert_layer_offset"] = json!(offset);
         }
         Family::Lfm2Moe => {
             v["num_experts"] = json!(moe.experts);
@@ -3251,6 +3404,10 @@ impl Keys<'_> {
         let lfm2 = family.dense() == Family::Lfm2;
         let bamba = family == Family::Bamba;
         let falcon_h1 = family == Family::FalconH1;
+        let jamba = family == Family::Jamba;
+        if jamba {
+            self.only("attention_bias", &[json!(false)], "Jamba's attention has no biases")?;
+        }
         if bamba {
             self.only("z_loss_coefficient", &[json!(0), json!(0.0)], "a z-loss on the logits is not applied")?;
             self.only("mlp_bias", &[json!(false)], "Bamba's feed-forward has no biases here")?;
@@ -3294,7 +3451,7 @@ impl Keys<'_> {
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::OlmoHybrid => Some(100_277),
-            Family::Lfm2 | Family::Lfm2Moe | Family::Bamba | Family::FalconH1 => Some(0),
+            Family::Lfm2 | Family::Lfm2Moe | Family::Bamba | Family::FalconH1 | Family::Jamba => Some(0),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
             Family::SmolLm3 => Some(128_004),
@@ -3326,6 +3483,8 @@ impl Keys<'_> {
             _ if smollm3 || llama4 => self.unrotated_layers(layers)?,
             _ if granite4 => self.granite4_unrotated(layers)?,
             _ if olmo_hybrid => self.olmo_hybrid_unrotated(layers)?,
+            // Jamba's attention turns no position.
+            _ if jamba => (0..layers).collect(),
             _ => vec![],
         };
         let llama4_attention = if llama4 { Some(self.llama4_attention(layers, &unrotated_layers)?) } else { None };
@@ -3490,6 +3649,11 @@ impl Keys<'_> {
             _ if bamba => (None, Some(self.bamba_layers(layers)?)),
             // Its class names every layer hybrid whatever the folder says.
             _ if falcon_h1 => (None, Some(vec![LayerAttention::Hybrid; layers as usize])),
+            _ if jamba => {
+                let (period, offset) = self.period("attn_layer_period", 8, "attn_layer_offset", 4)?;
+                let attending: Vec<i64> = (0..layers).filter(|i| i % period == offset).collect();
+                (None, Some(attending_on(&attending, layers)))
+            }
             _ if olmo_hybrid => (None, Some(self.olmo_hybrid_layers(layers)?)),
             (Some(l), _) => (None, Some(l.layer_types.clone())),
             _ => self.windows(class, layers, &unrotated_layers)?,
@@ -3621,6 +3785,7 @@ impl Keys<'_> {
                 _ => None,
             },
             mup: if falcon_h1 { Some(self.falcon_h1_multipliers()?) } else { None },
+            selective_scan: if jamba && recurrent_layers { Some(self.jamba_mixer(dim)?) } else { None },
             shared_mlp: granite4,
             short_conv: match lfm2 && recurrent_layers {
                 true => Some(ShortConvConfig {
@@ -3791,6 +3956,61 @@ impl Keys<'_> {
             (Some(true), Some(false)) => GatedNorm::GateThenNorm,
         };
         Ok(StateSpaceConfig { gated_norm, ..self.mamba2_sizes(inner, &width)? })
+    }
+
+    /// A layer period and offset (`period_key`, `offset_key`, with their class defaults): the
+    /// offset must fall within the period.
+    fn period(&self, period_key: &str, period: i64, offset_key: &str, offset: i64) -> KeyResult<(i64, i64)> {
+        let (period, offset) = (self.int(period_key)?.unwrap_or(period), self.int(offset_key)?.unwrap_or(offset));
+        if period < 1 || !(0..period).contains(&offset) {
+            return Err(format!("config.json: {offset_key} {offset} is not within {period_key} {period}"));
+        }
+        Ok((period, offset))
+    }
+
+    /// Jamba's Mamba-1 mixers (with its class's defaults): `mamba_expand · hidden_size` wide,
+    /// a step of rank `mamba_dt_rank` (`⌈hidden_size / 16⌉` where `auto`), its step, `B` and
+    /// `C` RMS-normed with weights at `rms_norm_eps`.
+    fn jamba_mixer(&self, dim: i64) -> KeyResult<SelectiveScanConfig> {
+        let rank = match self.get("mamba_dt_rank") {
+            Some(Value::String(auto)) if auto == "auto" => None,
+            _ => self.int("mamba_dt_rank")?,
+        };
+        Ok(SelectiveScanConfig {
+            inner: self.int("mamba_expand")?.unwrap_or(2).saturating_mul(dim),
+            state: self.int("mamba_d_state")?.unwrap_or(16),
+            conv_kernel: self.int("mamba_d_conv")?.unwrap_or(4),
+            time_step_rank: rank.unwrap_or((dim + 15) / 16),
+            conv_bias: self.flag("mamba_conv_bias")?.unwrap_or(true),
+            proj_bias: self.flag("mamba_proj_bias")?.unwrap_or(false),
+            inner_norms: Some(InnerNorms { eps: self.float("rms_norm_eps")?.unwrap_or(1e-6), weighted: true }),
+        })
+    }
+
+    /// Jamba's experts (with its class's defaults): on the layers every
+    /// `expert_layer_period`-th from `expert_layer_offset`, `num_experts_per_tok` of
+    /// `num_experts` (2 of 16) as wide as `intermediate_size`, chosen by their softmax
+    /// scores and weighted by them unrenormalised; none where `num_experts` is 1.
+    fn jamba_experts(&self) -> KeyResult<Option<MoeConfig>> {
+        let experts = match self.int("num_local_experts")? {
+            Some(n) => n,
+            None => self.int("num_experts")?.unwrap_or(16),
+        };
+        if experts == 1 {
+            return Ok(None);
+        }
+        let layers = self.required("num_hidden_layers")?;
+        let (period, offset) = self.period("expert_layer_period", 2, "expert_layer_offset", 1)?;
+        Ok(Some(MoeConfig {
+            names: ExpertNames::FeedForward,
+            dense_layers: (0..layers).filter(|i| i % period != offset).collect(),
+            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.001),
+            ..MoeConfig::new(
+                experts,
+                self.int("num_experts_per_tok")?.unwrap_or(2),
+                self.required("intermediate_size")?,
+            )
+        }))
     }
 
     /// Falcon-H1's μP multipliers, 1 where a key is absent.
@@ -4254,6 +4474,9 @@ impl Keys<'_> {
         }
         if family == Family::Lfm2Moe {
             return self.lfm2_moe_experts().map(Some);
+        }
+        if family == Family::Jamba {
+            return self.jamba_experts();
         }
         // Granite 4's layers hold experts where it has some.
         if !family.has_experts() || family == Family::GraniteMoeHybrid && self.int("num_local_experts")? == Some(0) {

@@ -39,6 +39,7 @@ use super::layers::{
 use super::linear::{GatedDeltaNet, LinearAttentionConfig};
 use super::mamba::{Mamba2, StateSpaceConfig};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
+use super::selective::{Mamba1, SelectiveScanConfig};
 use super::rope::{pairs_as_halves, Placed, QueryScaling, Rope, RopeScaling, Rotation};
 use super::short_conv::{ShortConv, ShortConvConfig};
 use super::{
@@ -370,6 +371,10 @@ pub struct LlamaConfig {
     /// 4's `mamba` layers), in place of [`LlamaConfig::linear_attention`].
     #[serde(default)]
     pub state_space: Option<StateSpaceConfig>,
+    /// The sizes of Mamba's (Mamba-1's) mixer of the layers `layer_types` marks `linear`
+    /// (Mamba's, Falcon Mamba's and Jamba's), in place of [`LlamaConfig::linear_attention`].
+    #[serde(default)]
+    pub selective_scan: Option<SelectiveScanConfig>,
     /// The short convolution of the layers `layer_types` marks `linear` (LFM2's `conv`
     /// layers), in place of [`LlamaConfig::linear_attention`].
     #[serde(default)]
@@ -480,6 +485,7 @@ impl LlamaConfig {
             attention_sinks: false,
             linear_attention: None,
             state_space: None,
+            selective_scan: None,
             short_conv: None,
             mixer_alone: false,
             shared_mlp: false,
@@ -554,7 +560,12 @@ impl LlamaConfig {
 
     /// How many kinds of recurrent mixer the configuration sizes (one at most is valid).
     fn recurrent_mixers(&self) -> usize {
-        [self.linear_attention.is_some(), self.state_space.is_some(), self.short_conv.is_some()]
+        [
+            self.linear_attention.is_some(),
+            self.state_space.is_some(),
+            self.selective_scan.is_some(),
+            self.short_conv.is_some(),
+        ]
             .into_iter()
             .filter(|&given| given)
             .count()
@@ -569,11 +580,13 @@ impl LlamaConfig {
         self.sliding_window.filter(|_| sliding)
     }
 
-    /// The module of each dense feed-forward's projections: `mlp`, or Llama 4's
-    /// `feed_forward` where its experts are named so.
+    /// The module of each dense feed-forward's projections: `mlp`, or `feed_forward` where
+    /// the experts are named so (Llama 4's) or beside Mamba-1 mixers (Jamba's, with or without
+    /// experts).
     pub fn feed_forward_module(&self) -> &'static str {
         match &self.moe {
             _ if self.shared_mlp => "shared_mlp",
+            _ if self.selective_scan.is_some() => "feed_forward",
             Some(m) if m.names == super::moe::ExpertNames::FeedForward => "feed_forward",
             _ => "mlp",
         }
@@ -774,14 +787,17 @@ impl LlamaConfig {
         if let Some(short_conv) = &self.short_conv {
             short_conv.validate()?;
         }
+        if let Some(selective) = &self.selective_scan {
+            selective.validate()?;
+        }
         let linear_layers = self
             .layer_types
             .as_ref()
             .is_some_and(|t| t.iter().any(|k| matches!(k, LayerAttention::Linear | LayerAttention::Hybrid)));
         if usize::from(linear_layers) != self.recurrent_mixers() {
             return Err(Error::Config(
-                "linear attention needs one kind's sizes (a Gated DeltaNet's, a Mamba-2 mixer's or a short \
-                 convolution's) and the layers layer_types marks linear_attention or hybrid"
+                "linear attention needs one kind's sizes (a Gated DeltaNet's, a Mamba-2 or Mamba-1 mixer's or a \
+                 short convolution's) and the layers layer_types marks linear_attention or hybrid"
                     .into(),
             ));
         }
@@ -1102,10 +1118,11 @@ enum Mixer {
 }
 
 /// A block's recurrent mixer, whose state runs along the row: Qwen3-Next's Gated DeltaNet,
-/// Granite 4's Mamba-2 or LFM2's short convolution.
+/// Granite 4's Mamba-2, Jamba's Mamba-1 or LFM2's short convolution.
 enum Recurrent {
     DeltaNet(GatedDeltaNet),
     StateSpace(Mamba2),
+    Selective(Mamba1),
     ShortConv(ShortConv),
 }
 
@@ -1113,25 +1130,27 @@ impl Recurrent {
     /// Declares layer `name`'s recurrent mixer, where `cfg` gives it one.
     fn declare(u: &mut UnitBuilder<'_>, name: &str, cfg: &LlamaConfig) -> Option<Recurrent> {
         let d = cfg.dim;
-        match (&cfg.linear_attention, &cfg.state_space, &cfg.short_conv) {
+        match (&cfg.linear_attention, &cfg.state_space, &cfg.selective_scan, &cfg.short_conv) {
             (Some(l), ..) => Some(Recurrent::DeltaNet(GatedDeltaNet::declare(u, name, l, d, cfg.norm_eps))),
-            (_, Some(s), _) => {
+            (_, Some(s), ..) => {
                 let scales = cfg.mup.map(|m| m.recurrent_projection);
                 Some(Recurrent::StateSpace(Mamba2::declare(u, name, s, (d, cfg.norm_eps), scales)))
             }
+            (_, _, Some(s), _) => Some(Recurrent::Selective(Mamba1::declare(u, name, s, d))),
             (.., Some(c)) => Some(Recurrent::ShortConv(ShortConv::declare(u, name, c, d))),
-            (None, None, None) => None,
+            (None, None, None, None) => None,
         }
     }
 
     /// Values a token keeps for the backward, beyond the block's residual stream.
     fn kept_per_token(cfg: &LlamaConfig) -> f64 {
         let d = cfg.dim;
-        match (&cfg.linear_attention, &cfg.state_space, &cfg.short_conv) {
+        match (&cfg.linear_attention, &cfg.state_space, &cfg.selective_scan, &cfg.short_conv) {
             (Some(l), ..) => l.kept_per_token(d) as f64,
-            (_, Some(s), _) => s.kept_per_token(d) as f64,
+            (_, Some(s), ..) => s.kept_per_token(d) as f64,
+            (_, _, Some(s), _) => s.kept_per_token(d) as f64,
             (.., Some(c)) => c.kept_per_token(d) as f64,
-            (None, None, None) => 0.0,
+            (None, None, None, None) => 0.0,
         }
     }
 
@@ -1146,6 +1165,7 @@ impl Recurrent {
         match self {
             Recurrent::DeltaNet(net) => net.forward(p, h, cache),
             Recurrent::StateSpace(mamba) => mamba.forward(p, h, cache, keep),
+            Recurrent::Selective(mamba) => mamba.forward(p, h, cache, keep),
             Recurrent::ShortConv(conv) => conv.forward(p, h, cache, keep),
         }
     }

@@ -21,6 +21,7 @@ mod mlp;
 pub mod moe;
 pub mod presets;
 pub mod rope;
+pub mod selective;
 pub mod short_conv;
 mod t5;
 pub mod tensor;
@@ -39,6 +40,7 @@ pub use llama::{
     llama, Activation, DecoderHead, FullLayerHeads, LayerAttention, LlamaConfig, MupMultipliers, Multipliers, NormKind,
 };
 pub use mamba::{GatedNorm, StateSpaceConfig};
+pub use selective::{InnerNorms, SelectiveScanConfig};
 pub use mlp::{mlp, MlpConfig};
 pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
 pub use presets::{preset, preset_names};

@@ -315,7 +315,8 @@ fn greedy_generation_equals_transformers() {
 /// the cache: with it, shorter prompts are padded on the left (in every attention kind:
 /// plain, windowed and soft-capped, with sinks, latent, linear, Mamba-2's with its
 /// convolution's bias, LFM2's short convolution with its projection's bias, Nemotron-H's
-/// blocks of one sub-layer, Falcon-H1's Mamba-2 mixers beside attention), without it rows of one
+/// blocks of one sub-layer, Falcon-H1's Mamba-2 mixers beside attention, Jamba's Mamba-1
+/// mixers), without it rows of one
 /// length share a batch; a row that meets a stop token ends there while the others go on.
 /// Sampled, each row draws from its own stream, the same alone or beside other prompts.
 #[test]
@@ -333,6 +334,7 @@ fn batched_generation_equals_one_at_a_time() {
         "lfm2",
         "nemotron-h",
         "falcon-h1-ungated",
+        "jamba",
     ];
     for family in families {
         let work = tempfile::tempdir().unwrap();
@@ -806,6 +808,15 @@ fn nemotron_h_matches_transformers() {
 #[test]
 fn falcon_h1_matches_transformers() {
     family_matches_transformers("falcon-h1", 24);
+}
+
+/// Jamba: Mamba-1 mixers (each state value decaying at its own rate, the step, `B` and `C`
+/// normed with weights, biases on the projections) on even layers, attention turning no
+/// position on odd ones, four experts (top 2, weights unrenormalised) on every other layer
+/// beside dense networks on the others; its load-balancing loss.
+#[test]
+fn jamba_matches_transformers() {
+    experts_match_transformers("jamba", 4, 24);
 }
 
 /// Falcon-H1's other mixer outputs: gated without a norm (its 0.5B model's, beside a tied
@@ -1906,8 +1917,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 54] = [
+const DECODER_TYPES: [&str; 55] = [
     "llama",
+    "jamba",
     "falcon_h1",
     "solar_open",
     "dots1",
