@@ -5446,6 +5446,41 @@ mod tests {
         }
     }
 
+    /// Jamba's keys as its class reads them: attention every `attn_layer_period`-th layer
+    /// from `attn_layer_offset` (8 and 4), turning no position; experts every
+    /// `expert_layer_period`-th from `expert_layer_offset` (2 and 1), none where
+    /// `num_experts` is 1; the step's rank `⌈hidden_size / 16⌉` where `auto`; a layer period
+    /// that cannot hold its offset refused; written back, the periods found again.
+    #[test]
+    fn jamba_reads_its_layer_periods_and_mixers_as_its_class_reads_them() {
+        use LayerAttention::{Full, Linear};
+        let c = read(Family::Jamba, json!({"num_hidden_layers": 10})).unwrap();
+        let kinds = [Linear, Linear, Linear, Linear, Full, Linear, Linear, Linear, Linear, Linear];
+        assert_eq!(c.layer_types.as_deref(), Some(&kinds[..]));
+        assert_eq!(c.unrotated_layers, (0..10).collect::<Vec<_>>());
+        let moe = c.moe.as_ref().unwrap();
+        let sparse: Vec<i64> = (0..10).filter(|&l| moe.is_sparse(l)).collect();
+        assert_eq!((moe.experts, moe.top_k, moe.norm_topk, sparse), (16, 2, false, vec![1, 3, 5, 7, 9]));
+        let s = c.selective_scan.as_ref().unwrap();
+        assert_eq!((s.inner, s.state, s.time_step_rank), (64, 16, 2));
+        assert_eq!(s.inner_norms, Some(InnerNorms { eps: 1e-6, weighted: true }));
+        assert_eq!(c.feed_forward_module(), "feed_forward");
+        let json = Family::Jamba.config_json(&ModelConfig::Llama(c.clone()), &Map::new()).unwrap();
+        let keys = ["attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset"];
+        assert_eq!(keys.map(|k| json[k].as_i64()), [Some(6), Some(4), Some(2), Some(1)]);
+        let back = read(Family::Jamba, json).unwrap();
+        assert_eq!(
+            (&back.layer_types, &back.moe, &back.selective_scan, &back.unrotated_layers),
+            (&c.layer_types, &c.moe, &c.selective_scan, &c.unrotated_layers),
+            "written back, read the same"
+        );
+        let dense = read(Family::Jamba, json!({"num_experts": 1, "attn_layer_period": 3, "attn_layer_offset": 0}));
+        let dense = dense.unwrap();
+        assert_eq!((dense.moe.is_none(), dense.layer_types.unwrap()), (true, vec![Full, Linear, Linear]));
+        let error = read(Family::Jamba, json!({"expert_layer_period": 2, "expert_layer_offset": 2})).unwrap_err();
+        assert!(error.contains("expert_layer_offset 2 is not within expert_layer_period 2"), "{error}");
+    }
+
     /// OLMo Hybrid's class's defaults: every fourth layer full (the last where that makes
     /// none), linear attention with its sizes from the heads and hidden size, betas doubled;
     /// its attention turns positions unless the base is null.
