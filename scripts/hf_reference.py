@@ -512,6 +512,16 @@ def decoder_families():
             expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=4, router_aux_loss_coef=0.02,
             use_mamba_kernels=False, tie_word_embeddings=False)),
+        # Mamba: two Mamba-1 mixers alone (state 8, a step of rank 4) behind their norms, a
+        # tied head; Falcon Mamba's with the step, B and C normed without a weight, a head of
+        # its own.
+        "mamba": lambda: (tf.MambaForCausalLM, tf.MambaConfig(
+            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+            time_step_rank=4, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)),
+        "falcon-mamba": lambda: (tf.FalconMambaForCausalLM, tf.FalconMambaConfig(
+            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+            time_step_rank=4, mixer_rms_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            tie_word_embeddings=False)),
         # LFM2-MoE: LFM2's layers, the first dense (40 wide, as given), the others with four
         # experts, two per token, chosen by sigmoid scores plus a choice bias (drawn in build)
         # and weighted by the renormalised scores times 1.5.

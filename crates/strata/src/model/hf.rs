@@ -128,6 +128,12 @@ pub enum Family {
     /// Falcon-H1 (`falcon_h1`): on every layer a Mamba-2 mixer and attention side by side
     /// over the same normed input, μP multipliers throughout, under Bamba's names.
     FalconH1,
+    /// Mamba (`mamba`): every layer a Mamba-1 mixer alone behind its norm, under `backbone.`
+    /// with each layer's `mixer`.
+    Mamba,
+    /// Falcon Mamba (`falcon_mamba`): Mamba's layers, the step, `B` and `C` RMS-normed
+    /// without a weight.
+    FalconMamba,
     /// Jamba (`jamba`): Mamba-1 mixers with normed steps, `B` and `C` beside attention that
     /// turns no position, every `attn_layer_period`-th layer from `attn_layer_offset`; experts
     /// every `expert_layer_period`-th from `expert_layer_offset`; under Bamba's names.
@@ -358,7 +364,7 @@ fn split_factor(name: &str) -> (&str, &str) {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 58] = [
+const FAMILIES: [Family; 60] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -394,6 +400,8 @@ const FAMILIES: [Family; 58] = [
     Family::Bamba,
     Family::FalconH1,
     Family::Jamba,
+    Family::Mamba,
+    Family::FalconMamba,
     Family::Llama4,
     Family::Mixtral,
     Family::MiniMaxM2,
@@ -456,6 +464,8 @@ impl Family {
             Family::Bamba => "bamba",
             Family::FalconH1 => "falcon_h1",
             Family::Jamba => "jamba",
+            Family::Mamba => "mamba",
+            Family::FalconMamba => "falcon_mamba",
             Family::Lfm2Moe => "lfm2_moe",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
@@ -532,6 +542,8 @@ impl Family {
             Family::Bamba => "Bamba",
             Family::FalconH1 => "FalconH1",
             Family::Jamba => "Jamba",
+            Family::Mamba => "Mamba",
+            Family::FalconMamba => "FalconMamba",
             Family::Lfm2Moe => "Lfm2Moe",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
@@ -587,6 +599,8 @@ impl Family {
                 | Family::Lfm2Moe
                 | Family::Bamba
                 | Family::FalconH1
+                | Family::Mamba
+                | Family::FalconMamba
                 | Family::Apertus
                 | Family::Llama4
                 | Family::Cohere
@@ -809,7 +823,8 @@ impl Family {
 
     /// The family a built-in model is written as, by the options it uses, the first that
     /// applies: GPT as GPT-2; Nemotron-H (blocks of one sub-layer); Granite 4 (its `shared_mlp`); Falcon-H1 (μP
-    /// multipliers); Jamba (Mamba-1 mixers); Bamba (Mamba-2 mixers without experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
+    /// multipliers); Falcon Mamba and Mamba (Mamba-1 mixers alone, with norms inside them or
+    /// without); Jamba (Mamba-1 mixers beside attention); Bamba (Mamba-2 mixers without experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V2 (latent attention with softmax
     /// scores), GLM-4.7-Flash (latent attention with dense
@@ -855,8 +870,11 @@ impl Family {
         if c.mup.is_some() {
             return Ok(Family::FalconH1);
         }
-        if c.selective_scan.is_some() {
-            return Ok(Family::Jamba);
+        match (&c.selective_scan, c.mixer_alone) {
+            (Some(s), true) if s.inner_norms.is_some() => return Ok(Family::FalconMamba),
+            (Some(_), true) => return Ok(Family::Mamba),
+            (Some(_), false) => return Ok(Family::Jamba),
+            (None, _) => {}
         }
         if c.state_space.is_some() && c.moe.is_none() {
             return Ok(Family::Bamba);
@@ -942,6 +960,10 @@ impl Family {
         }
         if self == Family::Jamba {
             return jamba_cannot_hold(c).map(|what| format!("a jamba model cannot hold {what}"));
+        }
+        if matches!(self, Family::Mamba | Family::FalconMamba) {
+            let falcon = self == Family::FalconMamba;
+            return mamba_cannot_hold(c, falcon).map(|what| format!("a {} model cannot hold {what}", self.model_type()));
         }
         if c.selective_scan.is_some() {
             return Some(format!("a {} model cannot hold Mamba-1 mixers", self.model_type()));
@@ -1504,7 +1526,7 @@ impl Family {
     /// The name a family's files give a Strata parameter, and whether they hold its matrix
     /// transposed.
     pub fn hf_name(self, name: &str) -> (String, bool) {
-        if self == Family::NemotronH {
+        if matches!(self, Family::NemotronH | Family::Mamba | Family::FalconMamba) {
             return (nemotron_h_name(name), false);
         }
         let transposed = self == Family::Gpt2 && CONV1D_WEIGHTS.iter().any(|w| name.ends_with(w));
@@ -1603,8 +1625,11 @@ impl Family {
     /// `name` as the family's files give it, with the parts the family names otherwise
     /// renamed to Strata's (its stacked experts' names among them, before `io` takes them apart).
     pub(crate) fn renamed_from_disk(self, name: &str) -> String {
-        if self == Family::NemotronH {
-            return strata_name_of_nemotron_h(name);
+        match self {
+            Family::NemotronH => return strata_name_of_backbone(name, nemotron_h_sub_layer),
+            // Every mixer is a Mamba-1 mixer.
+            Family::Mamba | Family::FalconMamba => return strata_name_of_backbone(name, |_| "mamba"),
+            _ => {}
         }
         renamed(name, self.renames().map(|(strata, hf)| (hf, strata)))
     }
@@ -1805,9 +1830,19 @@ fn nemotron_h_name(name: &str) -> String {
     format!("backbone.layers.{layer}.{module}.{tail}")
 }
 
-/// The Strata parameter a name of Nemotron-H's files (under `backbone.`, or `model.` as
-/// `transformers` holds them) names: a `mixer`'s module tells which sub-layer it is.
-fn strata_name_of_nemotron_h(name: &str) -> String {
+/// The sub-layer a Nemotron-H `mixer` is, by its first module's name.
+fn nemotron_h_sub_layer(first: &str) -> &'static str {
+    match first {
+        _ if NEMOTRON_H_ATTENTION.contains(&first) => "self_attn",
+        _ if NEMOTRON_H_MAMBA.contains(&first) => "mamba",
+        _ => "mlp",
+    }
+}
+
+/// The Strata parameter a name of files under `backbone.` (Nemotron-H's and Mamba's; or
+/// `model.` as `transformers` holds Nemotron-H's) names: `sub_layer` tells which sub-layer a
+/// `mixer` is by its first module's name.
+fn strata_name_of_backbone(name: &str, sub_layer: impl Fn(&str) -> &'static str) -> String {
     let Some(bare) = name.strip_prefix("backbone.").or(name.strip_prefix("model.")) else {
         return name.to_string();
     };
@@ -1821,9 +1856,7 @@ fn strata_name_of_nemotron_h(name: &str) -> String {
     let first = tail.split('.').next().unwrap_or_default();
     let module = match module {
         "norm" => "input_layernorm",
-        "mixer" if NEMOTRON_H_ATTENTION.contains(&first) => "self_attn",
-        "mixer" if NEMOTRON_H_MAMBA.contains(&first) => "mamba",
-        "mixer" => "mlp",
+        "mixer" => sub_layer(first),
         other => other,
     };
     format!("model.layers.{layer}.{module}.{tail}")
@@ -1901,6 +1934,65 @@ fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
     ]
     .into_iter()
     .find_map(|(bad, what)| bad.then_some(what))
+}
+
+/// What of `c` Mamba's or (`falcon`) Falcon Mamba's files cannot say, if anything: every
+/// layer a Mamba-1 mixer alone, normed inside as the family norms it.
+fn mamba_cannot_hold(c: &LlamaConfig, falcon: bool) -> Option<&'static str> {
+    let mixer_fits = c.selective_scan.as_ref().is_some_and(|s| {
+        s.inner % c.dim == 0 && s.inner_norms.is_some() == falcon && s.inner_norms.is_none_or(|n| !n.weighted)
+    });
+    let plain = LlamaConfig {
+        vocab: c.vocab,
+        ctx: c.ctx,
+        layers: c.layers,
+        heads: c.heads,
+        dim: c.dim,
+        norm_eps: c.norm_eps,
+        tie_embeddings: c.tie_embeddings,
+        selective_scan: c.selective_scan.clone(),
+        dropout: DropoutRates { attention: c.dropout.attention, ..DropoutRates::NONE },
+        head: c.head,
+        ..LlamaConfig::new(c.vocab, c.ctx, c.layers, c.heads, c.dim)
+    };
+    [
+        (!mixer_fits, "mixers other than Mamba-1's, a whole multiple wide, normed inside as the family norms them"),
+        (
+            !c.mixer_alone || !(0..c.layers as usize).all(|l| c.is_linear(l)),
+            "layers other than a Mamba-1 mixer alone behind its norm",
+        ),
+        (
+            LlamaConfig { mixer_alone: true, layer_types: c.layer_types.clone(), ..plain } != *c,
+            "options other than Mamba's (its norms, mixers and head; embeddings that train every row)",
+        ),
+    ]
+    .into_iter()
+    .find_map(|(bad, what)| bad.then_some(what))
+}
+
+/// Mamba's or (`falcon`) Falcon Mamba's `config.json` keys of `c` (checked by
+/// [`mamba_cannot_hold`]).
+fn mamba_json(c: &LlamaConfig, falcon: bool) -> Value {
+    let mut v = json!({
+        "vocab_size": c.vocab,
+        "hidden_size": c.dim,
+        "num_hidden_layers": c.layers,
+        "layer_norm_epsilon": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "hidden_act": "silu",
+    });
+    if let Some(s) = &c.selective_scan {
+        v["expand"] = json!(s.inner / c.dim);
+        v["state_size"] = json!(s.state);
+        v["conv_kernel"] = json!(s.conv_kernel);
+        v["time_step_rank"] = json!(s.time_step_rank);
+        v["use_conv_bias"] = json!(s.conv_bias);
+        v["use_bias"] = json!(s.proj_bias);
+        if let Some(n) = s.inner_norms.filter(|_| falcon) {
+            v["mixer_rms_eps"] = json!(n.eps);
+        }
+    }
+    v
 }
 
 /// The period and offset of the layers `flags` marks (every `period`-th from `offset`), the
@@ -2075,8 +2167,10 @@ fn nemotron_h_json(c: &LlamaConfig) -> Value {
 
 /// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
 fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
-    if family == Family::NemotronH {
-        return nemotron_h_json(c);
+    match family {
+        Family::NemotronH => return nemotron_h_json(c),
+        Family::Mamba | Family::FalconMamba => return mamba_json(c, family == Family::FalconMamba),
+        _ => {}
     }
     // Dynamic scaling reads the context it was trained at from max_position_embeddings.
     let max_positions = match c.rope_scaling {
@@ -3389,6 +3483,9 @@ impl Keys<'_> {
         if family == Family::NemotronH {
             return self.nemotron_h(head);
         }
+        if matches!(family, Family::Mamba | Family::FalconMamba) {
+            return self.mamba(family == Family::FalconMamba, head);
+        }
         let moe = self.experts(family)?;
         let olmoe = family == Family::Olmoe;
         let olmo = family.is_olmo();
@@ -4040,6 +4137,44 @@ impl Keys<'_> {
             recurrent_projection: projection,
             gate: mlp[0],
             down: mlp[1],
+        })
+    }
+
+    /// Mamba's or (`falcon`) Falcon Mamba's decoder (with their class's defaults): every layer
+    /// a Mamba-1 mixer alone behind its norm, `expand · hidden_size` wide, a step of rank
+    /// `time_step_rank` (`⌈hidden_size / 16⌉` where `auto`); Falcon Mamba's step, `B` and `C`
+    /// normed without a weight at `mixer_rms_eps`. Their models turn no position and have no
+    /// context limit (Strata bounds it at 2²⁰ positions), and their embeddings leave no row
+    /// untrained.
+    fn mamba(&self, falcon: bool, head: DecoderHead) -> KeyResult<LlamaConfig> {
+        self.only("hidden_act", &[json!("silu")], "its convolutions run silu")?;
+        let dim = self.required("hidden_size")?;
+        let rank = match self.get("time_step_rank") {
+            Some(Value::String(auto)) if auto == "auto" => None,
+            _ => self.int("time_step_rank")?,
+        };
+        let layers = self.int("num_hidden_layers")?.unwrap_or(32);
+        let mixer = SelectiveScanConfig {
+            inner: (self.float("expand")?.unwrap_or(2.0) * dim as f64) as i64,
+            state: self.int("state_size")?.unwrap_or(16),
+            conv_kernel: self.int("conv_kernel")?.unwrap_or(4),
+            time_step_rank: rank.unwrap_or((dim + 15) / 16),
+            conv_bias: self.flag("use_conv_bias")?.unwrap_or(true),
+            proj_bias: self.flag("use_bias")?.unwrap_or(false),
+            inner_norms: match falcon {
+                true => Some(InnerNorms { eps: self.float("mixer_rms_eps")?.unwrap_or(1e-6), weighted: false }),
+                false => None,
+            },
+        };
+        Ok(LlamaConfig {
+            norm_eps: self.float("layer_norm_epsilon")?.unwrap_or(1e-5),
+            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(true),
+            layer_types: Some(vec![LayerAttention::Linear; layers as usize]),
+            mixer_alone: true,
+            // Its embeddings train every row, the padding token's too.
+            selective_scan: Some(mixer),
+            head,
+            ..LlamaConfig::new(self.int("vocab_size")?.unwrap_or(50_280), 1 << 20, layers, 1, dim)
         })
     }
 

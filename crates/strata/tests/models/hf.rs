@@ -819,6 +819,14 @@ fn jamba_matches_transformers() {
     experts_match_transformers("jamba", 4, 24);
 }
 
+/// Mamba and Falcon Mamba: every layer a Mamba-1 mixer alone behind its norm under
+/// `backbone.` (Falcon Mamba's step, `B` and `C` normed without a weight).
+#[test]
+fn mamba_and_falcon_mamba_match_transformers() {
+    family_matches_transformers("mamba", 24);
+    family_matches_transformers("falcon-mamba", 24);
+}
+
 /// Falcon-H1's other mixer outputs: gated without a norm (its 0.5B model's, beside a tied
 /// head), and normed before the gate (its class's order where `mamba_rms_norm` alone is set).
 #[test]
@@ -1917,8 +1925,10 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 55] = [
+const DECODER_TYPES: [&str; 57] = [
     "llama",
+    "mamba",
+    "falcon_mamba",
     "jamba",
     "falcon_h1",
     "solar_open",
