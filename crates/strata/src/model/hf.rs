@@ -17,11 +17,11 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
-use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, MupMultipliers, Multipliers, NormKind};
+use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, Multipliers, MupMultipliers, NormKind};
 use super::mamba::{GatedNorm, StateSpaceConfig};
-use super::selective::{InnerNorms, SelectiveScanConfig};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
+use super::selective::{InnerNorms, SelectiveScanConfig};
 use super::short_conv::ShortConvConfig;
 use super::{
     BertConfig, BertHead, DropoutRates, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config,
@@ -293,8 +293,10 @@ const BAMBA_NAMES: [(&str, &str); 5] = [
 
 /// Jamba's names of Strata's norms (Bamba's; its feed-forwards are `feed_forward` in
 /// Strata too, [`LlamaConfig::feed_forward_module`]).
-const JAMBA_NAMES: [(&str, &str); 2] =
-    [("post_attention_layernorm.weight", "pre_ff_layernorm.weight"), ("model.norm.weight", "model.final_layernorm.weight")];
+const JAMBA_NAMES: [(&str, &str); 2] = [
+    ("post_attention_layernorm.weight", "pre_ff_layernorm.weight"),
+    ("model.norm.weight", "model.final_layernorm.weight"),
+];
 
 const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"),
@@ -649,9 +651,7 @@ impl Family {
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
                 | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl | Lfm2 | Lfm2Moe | Bamba | NemotronH | SolarOpen
-                | FalconH1 => {
-                    1e-5
-                }
+                | FalconH1 => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -963,7 +963,8 @@ impl Family {
         }
         if matches!(self, Family::Mamba | Family::FalconMamba) {
             let falcon = self == Family::FalconMamba;
-            return mamba_cannot_hold(c, falcon).map(|what| format!("a {} model cannot hold {what}", self.model_type()));
+            return mamba_cannot_hold(c, falcon)
+                .map(|what| format!("a {} model cannot hold {what}", self.model_type()));
         }
         if c.selective_scan.is_some() {
             return Some(format!("a {} model cannot hold Mamba-1 mixers", self.model_type()));
@@ -1192,9 +1193,7 @@ impl Family {
             (
                 (0..c.layers as usize).any(|i| c.is_hybrid(i)) != (self == Family::FalconH1)
                     || self == Family::FalconH1
-                        && (c.state_space.is_none()
-                            || !(0..c.layers as usize).all(|i| c.is_hybrid(i))
-                            || c.mlp_bias),
+                        && (c.state_space.is_none() || !(0..c.layers as usize).all(|i| c.is_hybrid(i)) || c.mlp_bias),
                 "Mamba-2 mixers beside attention (Falcon-H1's, on every layer, its feed-forward without biases)",
             ),
             (
@@ -1917,12 +1916,18 @@ fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
         ),
         (c.linear_attention.is_some() || c.short_conv.is_some() || c.shared_mlp, "mixers other than Mamba-2"),
         (
-            c.state_space.as_ref().is_some_and(|m| m.time_step_max.is_some() || m.gated_norm != GatedNorm::GateThenNorm),
+            c.state_space
+                .as_ref()
+                .is_some_and(|m| m.time_step_max.is_some() || m.gated_norm != GatedNorm::GateThenNorm),
             "a step bounded above, or a mixer normed before its gate or without a norm",
         ),
         ((0..c.layers as usize).any(|l| c.is_hybrid(l)), "Mamba-2 mixers beside attention"),
         (
-            c.multipliers.is_some() || c.mup.is_some() || c.scale_embeddings || c.logit_scale.is_some() || c.padding_token.is_some(),
+            c.multipliers.is_some()
+                || c.mup.is_some()
+                || c.scale_embeddings
+                || c.logit_scale.is_some()
+                || c.padding_token.is_some(),
             "scaled embeddings or logits, or an untrained padding row",
         ),
         (c.dropout.residual > 0.0 || c.dropout.embedding > 0.0, "dropout other than the attention's"),
@@ -2000,9 +2005,9 @@ fn mamba_json(c: &LlamaConfig, falcon: bool) -> Value {
 /// last layer.
 fn layer_period(flags: &[bool]) -> Option<(i64, i64)> {
     let n = flags.len() as i64;
-    (1..=n + 1).flat_map(|p| (0..p).map(move |o| (p, o))).find(|&(p, o)| {
-        flags.iter().enumerate().all(|(i, &marked)| (i as i64 % p == o) == marked)
-    })
+    (1..=n + 1)
+        .flat_map(|p| (0..p).map(move |o| (p, o)))
+        .find(|&(p, o)| flags.iter().enumerate().all(|(i, &marked)| (i as i64 % p == o) == marked))
 }
 
 /// What of `c` Jamba's files cannot say, if anything: its attention and experts recur with
@@ -2021,16 +2026,14 @@ fn jamba_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
             && m.experts > 1
             && layer_period(&sparse).is_some()
     });
-    let mixer_fits = c.selective_scan.as_ref().is_some_and(|s| {
-        s.inner % c.dim == 0 && s.inner_norms == Some(InnerNorms { eps: c.norm_eps, weighted: true })
-    });
+    let mixer_fits = c
+        .selective_scan
+        .as_ref()
+        .is_some_and(|s| s.inner % c.dim == 0 && s.inner_norms == Some(InnerNorms { eps: c.norm_eps, weighted: true }));
     [
         (!mixer_fits, "mixers other than Mamba-1's with weighted norms at its epsilon, a whole multiple wide"),
         (layer_period(&attending).is_none(), "attention layers other than every period-th from an offset"),
-        (
-            c.layers > 0 && c.unrotated_layers.len() as i64 != c.layers,
-            "attention that turns positions",
-        ),
+        (c.layers > 0 && c.unrotated_layers.len() as i64 != c.layers, "attention that turns positions"),
         (
             c.norm != NormKind::Weighted
                 || c.norm_bias
@@ -2065,9 +2068,9 @@ fn jamba_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
                 || c.post_norms
                 || c.parallel_block
                 || c.mixer_alone
-                || c.layer_types.as_ref().is_some_and(|t| {
-                    t.iter().any(|k| !matches!(k, LayerAttention::Full | LayerAttention::Linear))
-                }),
+                || c.layer_types
+                    .as_ref()
+                    .is_some_and(|t| t.iter().any(|k| !matches!(k, LayerAttention::Full | LayerAttention::Linear))),
             "windows, chunks, soft-capping, other score scales or other blocks",
         ),
         (
@@ -3978,9 +3981,7 @@ impl Keys<'_> {
             _ => self.int("mamba_d_head")?.unwrap_or(inner / heads.max(1)),
         };
         if inner != heads.saturating_mul(head_dim) {
-            return Err(format!(
-                "config.json: mamba_n_heads {heads} of mamba_d_head {head_dim} are not {width}"
-            ));
+            return Err(format!("config.json: mamba_n_heads {heads} of mamba_d_head {head_dim} are not {width}"));
         }
         let (time_step_min, time_step_max) = match self.get("time_step_limit") {
             None => (0.0, None),
@@ -4115,9 +4116,10 @@ impl Keys<'_> {
         let one = |key: &str| Ok::<_, String>(self.float(key)?.unwrap_or(1.0));
         let list = |key: &str, out: &mut [f64]| -> KeyResult<()> {
             let Some(given) = self.get(key) else { return Ok(()) };
-            let values = given.as_array().filter(|v| v.len() == out.len()).ok_or_else(|| {
-                format!("config.json: {key} is not a list of {} numbers ({given})", out.len())
-            })?;
+            let values = given
+                .as_array()
+                .filter(|v| v.len() == out.len())
+                .ok_or_else(|| format!("config.json: {key} is not a list of {} numbers ({given})", out.len()))?;
             for (slot, v) in out.iter_mut().zip(values) {
                 *slot = v.as_f64().ok_or_else(|| format!("config.json: {key} holds {v}, not a number"))?;
             }

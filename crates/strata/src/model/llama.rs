@@ -39,8 +39,8 @@ use super::layers::{
 use super::linear::{GatedDeltaNet, LinearAttentionConfig};
 use super::mamba::{Mamba2, StateSpaceConfig};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
-use super::selective::{Mamba1, SelectiveScanConfig};
 use super::rope::{pairs_as_halves, Placed, QueryScaling, Rope, RopeScaling, Rotation};
+use super::selective::{Mamba1, SelectiveScanConfig};
 use super::short_conv::{ShortConv, ShortConvConfig};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TokenEmbedding,
@@ -566,9 +566,9 @@ impl LlamaConfig {
             self.selective_scan.is_some(),
             self.short_conv.is_some(),
         ]
-            .into_iter()
-            .filter(|&given| given)
-            .count()
+        .into_iter()
+        .filter(|&given| given)
+        .count()
     }
 
     /// Layer `layer`'s sliding window, if it has one.
@@ -1432,7 +1432,8 @@ impl LlamaBlock {
                         sparse.forward(p, &h, None)?.f_add(&shared.forward(p, &h, &self.kinds, None)?)?
                     }
                     FeedForward::Both(both) => {
-                        let dense = self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds, None)?, both.after_dense)?;
+                        let dense =
+                            self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds, None)?, both.after_dense)?;
                         let experts_input = self.kinds.norm(p, &x, both.before_experts)?;
                         let routed = both.sparse.forward(p, &experts_input, Some(&x))?;
                         dense.f_add(&self.kinds.norm(p, &routed, both.after_experts)?)?
@@ -1877,12 +1878,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let attends = mixes && linear.is_none();
         // A mixer beside attention keeps its own values too.
         let beside_kept = if beside.is_some() { Recurrent::kept_per_token(cfg) } else { 0.0 };
-        let kept = Kept::block(
-            attention_kept + beside_kept + feed_forward_kept + 7.0,
-            if attends { cfg.heads } else { 0 },
-            d,
-        )
-            .with_dropout(super::dropout::masked(cfg.dropout.residual, 2 * d), cfg.dropout.attention > 0.0 && attends);
+        let kept =
+            Kept::block(attention_kept + beside_kept + feed_forward_kept + 7.0, if attends { cfg.heads } else { 0 }, d)
+                .with_dropout(
+                    super::dropout::masked(cfg.dropout.residual, 2 * d),
+                    cfg.dropout.attention > 0.0 && attends,
+                );
         u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, attention_width) });
         let attention = |inputs, o| {
             Mixer::Attention(Box::new(AttentionMixer {

@@ -189,8 +189,11 @@ impl Mamba2 {
             let group_width = c.groups * c.state;
             let widths = [c.inner(), c.inner(), group_width, group_width, c.heads];
             let opts = (projected.kind(), projected.device());
-            let parts =
-                widths.iter().zip(scales).map(|(&w, s)| Tensor::f_full([w], s, opts)).collect::<std::result::Result<Vec<_>, _>>()?;
+            let parts = widths
+                .iter()
+                .zip(scales)
+                .map(|(&w, s)| Tensor::f_full([w], s, opts))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
             projected = projected.f_mul(&Tensor::f_cat(&parts, 0)?)?;
         }
         let parts = projected.f_split_with_sizes([c.inner(), c.conv_channels(), c.heads], -1)?;

@@ -37,14 +37,14 @@ pub use latent::LatentConfig;
 pub use layers::NoTensorParallel;
 pub use linear::LinearAttentionConfig;
 pub use llama::{
-    llama, Activation, DecoderHead, FullLayerHeads, LayerAttention, LlamaConfig, MupMultipliers, Multipliers, NormKind,
+    llama, Activation, DecoderHead, FullLayerHeads, LayerAttention, LlamaConfig, Multipliers, MupMultipliers, NormKind,
 };
 pub use mamba::{GatedNorm, StateSpaceConfig};
-pub use selective::{InnerNorms, SelectiveScanConfig};
 pub use mlp::{mlp, MlpConfig};
 pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
 pub use presets::{preset, preset_names};
 pub use rope::{QueryScaling, Rope, RopeScaling, Rotation};
+pub use selective::{InnerNorms, SelectiveScanConfig};
 pub use short_conv::ShortConvConfig;
 pub use t5::{t5, FeedForwardActivation, T5Config};
 pub use tensor::{TensorParallel, TpRole, WholeSequence};

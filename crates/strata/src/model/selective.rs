@@ -114,7 +114,8 @@ impl Mamba1 {
         let conv = u.param(at("conv1d.weight"), &[c.inner, 1, c.conv_kernel], normal, whole);
         let conv_bias = c.conv_bias.then(|| u.param(at("conv1d.bias"), &[c.inner], Init::Zeros, whole));
         let norm_weights = c.inner_norms.filter(|n| n.weighted).map(|_| {
-            let mut weight = |what: &str, width: i64| u.norm(at(&format!("{what}.weight")), &[width], Init::Ones, whole);
+            let mut weight =
+                |what: &str, width: i64| u.norm(at(&format!("{what}.weight")), &[width], Init::Ones, whole);
             [weight("dt_layernorm", c.time_step_rank), weight("b_layernorm", c.state), weight("c_layernorm", c.state)]
         });
         Mamba1 {
