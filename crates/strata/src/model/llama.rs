@@ -1114,7 +1114,7 @@ struct AttentionMixer {
 /// What mixes a block's positions: softmax attention or a recurrent mixer.
 enum Mixer {
     Attention(Box<AttentionMixer>),
-    Linear(Recurrent),
+    Linear(Box<Recurrent>),
 }
 
 /// A block's recurrent mixer, whose state runs along the row: Qwen3-Next's Gated DeltaNet,
@@ -1906,7 +1906,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }))
         };
         let mixer = match (linear, latent, qkv, o) {
-            (Some(linear), ..) => Some(Mixer::Linear(linear)),
+            (Some(linear), ..) => Some(Mixer::Linear(Box::new(linear))),
             (None, Some(latent), _, Some(o)) => Some(attention(HeadInputs::Latent(latent), o)),
             (None, None, Some(qkv), Some(o)) => Some(attention(
                 HeadInputs::Grouped(GroupedHeads {
