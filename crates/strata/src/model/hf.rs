@@ -822,9 +822,9 @@ impl Family {
     }
 
     /// The family a built-in model is written as, by the options it uses, the first that
-    /// applies: GPT as GPT-2; Nemotron-H (blocks of one sub-layer); Granite 4 (its `shared_mlp`); Falcon-H1 (μP
-    /// multipliers); Falcon Mamba and Mamba (Mamba-1 mixers alone, with norms inside them or
-    /// without); Jamba (Mamba-1 mixers beside attention); Bamba (Mamba-2 mixers without experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
+    /// applies: GPT as GPT-2; Falcon Mamba and Mamba (Mamba-1 mixers alone, with norms inside
+    /// them or without); Jamba (Mamba-1 mixers beside attention); Nemotron-H (blocks of one
+    /// sub-layer); Granite 4 (its `shared_mlp`); Falcon-H1 (μP multipliers); Bamba (Mamba-2 mixers without experts); a decoder with experts as LFM2-MoE (its names), Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V2 (latent attention with softmax
     /// scores), GLM-4.7-Flash (latent attention with dense
@@ -861,20 +861,18 @@ impl Family {
         if c.latent.is_some() && c.moe.is_none() {
             return Err(Error::Config("latent attention without experts has no family to be written as".into()));
         }
-        if c.mixer_alone {
-            return Ok(Family::NemotronH);
+        match (&c.selective_scan, c.mixer_alone) {
+            (Some(s), true) if s.inner_norms.is_some() => return Ok(Family::FalconMamba),
+            (Some(_), true) => return Ok(Family::Mamba),
+            (Some(_), false) => return Ok(Family::Jamba),
+            (None, true) => return Ok(Family::NemotronH),
+            (None, false) => {}
         }
         if c.shared_mlp {
             return Ok(Family::GraniteMoeHybrid);
         }
         if c.mup.is_some() {
             return Ok(Family::FalconH1);
-        }
-        match (&c.selective_scan, c.mixer_alone) {
-            (Some(s), true) if s.inner_norms.is_some() => return Ok(Family::FalconMamba),
-            (Some(_), true) => return Ok(Family::Mamba),
-            (Some(_), false) => return Ok(Family::Jamba),
-            (None, _) => {}
         }
         if c.state_space.is_some() && c.moe.is_none() {
             return Ok(Family::Bamba);
@@ -1914,7 +1912,10 @@ fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
                 || c.query_pre_attn_scalar.is_some(),
             "windows, chunks, soft-capping or other score scales",
         ),
-        (c.linear_attention.is_some() || c.short_conv.is_some() || c.shared_mlp, "mixers other than Mamba-2"),
+        (
+            c.linear_attention.is_some() || c.short_conv.is_some() || c.selective_scan.is_some() || c.shared_mlp,
+            "mixers other than Mamba-2",
+        ),
         (
             c.state_space
                 .as_ref()
@@ -1941,6 +1942,9 @@ fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
     .find_map(|(bad, what)| bad.then_some(what))
 }
 
+/// The context Strata gives Mamba's models, which have no limit of their own.
+const MAMBA_CONTEXT: i64 = 1 << 20;
+
 /// What of `c` Mamba's or (`falcon`) Falcon Mamba's files cannot say, if anything: every
 /// layer a Mamba-1 mixer alone, normed inside as the family norms it.
 fn mamba_cannot_hold(c: &LlamaConfig, falcon: bool) -> Option<&'static str> {
@@ -1949,16 +1953,16 @@ fn mamba_cannot_hold(c: &LlamaConfig, falcon: bool) -> Option<&'static str> {
     });
     let plain = LlamaConfig {
         vocab: c.vocab,
-        ctx: c.ctx,
+        ctx: MAMBA_CONTEXT,
         layers: c.layers,
-        heads: c.heads,
+        heads: 1,
         dim: c.dim,
         norm_eps: c.norm_eps,
         tie_embeddings: c.tie_embeddings,
         selective_scan: c.selective_scan.clone(),
         dropout: DropoutRates { attention: c.dropout.attention, ..DropoutRates::NONE },
         head: c.head,
-        ..LlamaConfig::new(c.vocab, c.ctx, c.layers, c.heads, c.dim)
+        ..LlamaConfig::new(c.vocab, MAMBA_CONTEXT, c.layers, 1, c.dim)
     };
     [
         (!mixer_fits, "mixers other than Mamba-1's, a whole multiple wide, normed inside as the family norms them"),
@@ -1968,7 +1972,8 @@ fn mamba_cannot_hold(c: &LlamaConfig, falcon: bool) -> Option<&'static str> {
         ),
         (
             LlamaConfig { mixer_alone: true, layer_types: c.layer_types.clone(), ..plain } != *c,
-            "options other than Mamba's (its norms, mixers and head; embeddings that train every row)",
+            "options other than Mamba's (its norms, mixers and head; embeddings that train every row; no \
+             attention heads; no context limit)",
         ),
     ]
     .into_iter()
@@ -2033,7 +2038,7 @@ fn jamba_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
     [
         (!mixer_fits, "mixers other than Mamba-1's with weighted norms at its epsilon, a whole multiple wide"),
         (layer_period(&attending).is_none(), "attention layers other than every period-th from an offset"),
-        (c.layers > 0 && c.unrotated_layers.len() as i64 != c.layers, "attention that turns positions"),
+        ((0..c.layers).any(|l| c.rotates(l)), "attention that turns positions"),
         (
             c.norm != NormKind::Weighted
                 || c.norm_bias
@@ -2077,6 +2082,7 @@ fn jamba_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
             c.multipliers.is_some() || c.mup.is_some() || c.scale_embeddings || c.logit_scale.is_some(),
             "scaled embeddings or logits",
         ),
+        (c.layer_scalar, "block scalars"),
         (
             c.linear_attention.is_some() || c.state_space.is_some() || c.short_conv.is_some() || c.shared_mlp,
             "mixers other than Mamba-1's",
@@ -3751,6 +3757,11 @@ impl Keys<'_> {
             _ if falcon_h1 => (None, Some(vec![LayerAttention::Hybrid; layers as usize])),
             _ if jamba => {
                 let (period, offset) = self.period("attn_layer_period", 8, "attn_layer_offset", 4)?;
+                if period == 1 {
+                    return Err("config.json: attn_layer_period 1 makes every layer attend: a Jamba model \
+                                without a Mamba layer is not supported"
+                        .into());
+                }
                 let attending: Vec<i64> = (0..layers).filter(|i| i % period == offset).collect();
                 (None, Some(attending_on(&attending, layers)))
             }
@@ -4070,19 +4081,24 @@ impl Keys<'_> {
     /// a step of rank `mamba_dt_rank` (`⌈hidden_size / 16⌉` where `auto`), its step, `B` and
     /// `C` RMS-normed with weights at `rms_norm_eps`.
     fn jamba_mixer(&self, dim: i64) -> KeyResult<SelectiveScanConfig> {
-        let rank = match self.get("mamba_dt_rank") {
-            Some(Value::String(auto)) if auto == "auto" => None,
-            _ => self.int("mamba_dt_rank")?,
-        };
         Ok(SelectiveScanConfig {
             inner: self.int("mamba_expand")?.unwrap_or(2).saturating_mul(dim),
             state: self.int("mamba_d_state")?.unwrap_or(16),
             conv_kernel: self.int("mamba_d_conv")?.unwrap_or(4),
-            time_step_rank: rank.unwrap_or((dim + 15) / 16),
+            time_step_rank: self.time_step_rank("mamba_dt_rank", dim)?,
             conv_bias: self.flag("mamba_conv_bias")?.unwrap_or(true),
             proj_bias: self.flag("mamba_proj_bias")?.unwrap_or(false),
             inner_norms: Some(InnerNorms { eps: self.float("rms_norm_eps")?.unwrap_or(1e-6), weighted: true }),
         })
+    }
+
+    /// A Mamba-1 step's rank by `key`: `⌈dim / 16⌉` where it is `auto` or absent.
+    fn time_step_rank(&self, key: &str, dim: i64) -> KeyResult<i64> {
+        Ok(match self.get(key) {
+            Some(Value::String(auto)) if auto == "auto" => None,
+            _ => self.int(key)?,
+        }
+        .unwrap_or((dim + 15) / 16))
     }
 
     /// Jamba's experts (with its class's defaults): on the layers every
@@ -4151,16 +4167,12 @@ impl Keys<'_> {
     fn mamba(&self, falcon: bool, head: DecoderHead) -> KeyResult<LlamaConfig> {
         self.only("hidden_act", &[json!("silu")], "its convolutions run silu")?;
         let dim = self.required("hidden_size")?;
-        let rank = match self.get("time_step_rank") {
-            Some(Value::String(auto)) if auto == "auto" => None,
-            _ => self.int("time_step_rank")?,
-        };
         let layers = self.int("num_hidden_layers")?.unwrap_or(32);
         let mixer = SelectiveScanConfig {
             inner: (self.float("expand")?.unwrap_or(2.0) * dim as f64) as i64,
             state: self.int("state_size")?.unwrap_or(16),
             conv_kernel: self.int("conv_kernel")?.unwrap_or(4),
-            time_step_rank: rank.unwrap_or((dim + 15) / 16),
+            time_step_rank: self.time_step_rank("time_step_rank", dim)?,
             conv_bias: self.flag("use_conv_bias")?.unwrap_or(true),
             proj_bias: self.flag("use_bias")?.unwrap_or(false),
             inner_norms: match falcon {
@@ -4176,7 +4188,7 @@ impl Keys<'_> {
             // Its embeddings train every row, the padding token's too.
             selective_scan: Some(mixer),
             head,
-            ..LlamaConfig::new(self.int("vocab_size")?.unwrap_or(50_280), 1 << 20, layers, 1, dim)
+            ..LlamaConfig::new(self.int("vocab_size")?.unwrap_or(50_280), MAMBA_CONTEXT, layers, 1, dim)
         })
     }
 
@@ -6359,6 +6371,10 @@ mod tests {
             ),
             (Family::Lfm2, json!({"layer_types": ["conv", "full_attention", "conv"]})),
             (Family::Bamba, json!({"attn_layer_indices": [1], "mamba_n_heads": 4})),
+            (Family::Mamba, json!({"state_size": 4})),
+            (Family::FalconMamba, json!({"state_size": 4})),
+            (Family::Jamba, json!({"attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 4})),
+            (Family::FalconH1, json!({"mamba_n_heads": 4, "mamba_d_ssm": 48, "mamba_rms_norm": true})),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();

@@ -111,7 +111,9 @@ pub enum LayerAttention {
     Full,
     /// The `sliding_window` positions ending at the query.
     Sliding,
-    /// Gated DeltaNet linear attention in place of softmax attention ([`super::linear`]).
+    /// A recurrent mixer in place of softmax attention: Gated DeltaNet linear attention
+    /// ([`super::linear`]), a Mamba-2 or Mamba-1 mixer or a short convolution, whichever
+    /// the decoder sizes.
     Linear,
     /// The earlier positions of the query's own chunk: positions fall into chunks of
     /// `attention_chunk` by their place in the row (Llama 4's chunked attention).
@@ -797,7 +799,7 @@ impl LlamaConfig {
         if usize::from(linear_layers) != self.recurrent_mixers() {
             return Err(Error::Config(
                 "linear attention needs one kind's sizes (a Gated DeltaNet's, a Mamba-2 or Mamba-1 mixer's or a \
-                 short convolution's) and the layers layer_types marks linear_attention or hybrid"
+                 short convolution's) and the layers layer_types marks linear or hybrid"
                     .into(),
             ));
         }
@@ -840,6 +842,12 @@ impl LlamaConfig {
             }
             if self.moe.is_some() || !self.activation.gated() {
                 return Err(Error::Config("μP multipliers scale a gated feed-forward, not experts".into()));
+            }
+            if !(0..self.layers as usize).all(|l| self.is_hybrid(l)) {
+                return Err(Error::Config(
+                    "μP multipliers scale layers whose recurrent mixer runs beside attention (hybrid), on every layer"
+                        .into(),
+                ));
             }
         }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
@@ -1512,7 +1520,9 @@ impl LlamaBlock {
         let keep = match (p.layout(), &cache) {
             (Some(_), None) => {
                 return Err(Error::Config(
-                    "linear attention takes no packed rows: its state would carry from one example to the next".into(),
+                    "a recurrent mixer (linear attention, Mamba, a short convolution) takes no packed rows: its \
+                     state would carry from one example to the next"
+                        .into(),
                 ))
             }
             (Some(layout), Some(_)) => Some(layout.examples.f_ne(0)?.f_to_kind(h.kind())?),
