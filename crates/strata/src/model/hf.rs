@@ -1859,6 +1859,29 @@ fn strata_name_of_backbone(name: &str, sub_layer: impl Fn(&str) -> &'static str)
     format!("model.layers.{layer}.{module}.{tail}")
 }
 
+/// Whether `c`'s attention is more than grouped heads without biases or norms.
+fn beyond_plain_heads(c: &LlamaConfig) -> bool {
+    c.qkv_bias
+        || c.o_bias
+        || c.qk_norm
+        || c.clip_qkv.is_some()
+        || c.attention_sinks
+        || c.attention_output_gate
+        || c.value_norm
+        || c.full_layer_heads.is_some()
+        || c.latent.is_some()
+}
+
+/// Whether `c`'s scores are windowed, chunked, soft-capped or scaled otherwise than by
+/// `head_dim^-1/2`.
+fn beyond_plain_scores(c: &LlamaConfig) -> bool {
+    c.sliding_window.is_some()
+        || c.attention_chunk.is_some()
+        || c.attn_softcap.is_some()
+        || c.logit_softcap.is_some()
+        || c.query_pre_attn_scalar.is_some()
+}
+
 /// What of `c` Nemotron-H's files cannot say, if anything.
 fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
     let attending = (0..c.layers).filter(|&l| c.has_mixer(l as usize) && !c.is_linear(l as usize));
@@ -1888,30 +1911,12 @@ fn nemotron_h_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
             c.activation != Activation::Relu2 || c.fc_names || c.fused_projections || c.fused_gate_up,
             "a feed-forward other than ReLU² without a gate",
         ),
-        (
-            c.qkv_bias
-                || c.o_bias
-                || c.qk_norm
-                || c.clip_qkv.is_some()
-                || c.attention_sinks
-                || c.attention_output_gate
-                || c.value_norm
-                || c.full_layer_heads.is_some()
-                || c.latent.is_some(),
-            "attention other than grouped heads without biases or norms",
-        ),
+        (beyond_plain_heads(c), "attention other than grouped heads without biases or norms"),
         (
             attending.clone().any(|l| c.rotates(l)) || c.query_scaling.is_some() || c.qk_l2_norm,
             "attention that turns positions",
         ),
-        (
-            c.sliding_window.is_some()
-                || c.attention_chunk.is_some()
-                || c.attn_softcap.is_some()
-                || c.logit_softcap.is_some()
-                || c.query_pre_attn_scalar.is_some(),
-            "windows, chunks, soft-capping or other score scales",
-        ),
+        (beyond_plain_scores(c), "windows, chunks, soft-capping or other score scales"),
         (
             c.linear_attention.is_some() || c.short_conv.is_some() || c.selective_scan.is_some() || c.shared_mlp,
             "mixers other than Mamba-2",
@@ -2050,25 +2055,11 @@ fn jamba_cannot_hold(c: &LlamaConfig) -> Option<&'static str> {
             "norms other than RMS norms, or a feed-forward other than SwiGLU without biases",
         ),
         (
-            c.qkv_bias
-                || c.o_bias
-                || c.qk_norm
-                || c.clip_qkv.is_some()
-                || c.attention_sinks
-                || c.attention_output_gate
-                || c.value_norm
-                || c.full_layer_heads.is_some()
-                || c.latent.is_some()
-                || c.query_scaling.is_some()
-                || c.qk_l2_norm,
+            beyond_plain_heads(c) || c.query_scaling.is_some() || c.qk_l2_norm,
             "attention other than grouped heads without biases or norms",
         ),
         (
-            c.sliding_window.is_some()
-                || c.attention_chunk.is_some()
-                || c.attn_softcap.is_some()
-                || c.logit_softcap.is_some()
-                || c.query_pre_attn_scalar.is_some()
+            beyond_plain_scores(c)
                 || c.sandwich_norms
                 || c.post_norms
                 || c.parallel_block

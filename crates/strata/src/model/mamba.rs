@@ -140,16 +140,10 @@ impl Mamba2 {
         (dim, norm_eps): (i64, f64),
         projection_scales: Option<[f64; 5]>,
     ) -> Mamba2 {
-        let normal = Init::Normal { std: INIT_STD };
+        let (normal, whole) = (Init::Normal { std: INIT_STD }, WHOLE);
         let at = |what: &str| format!("{name}.mamba.{what}");
         let c = config;
-        // Tensor parallelism is refused for this layer (`check_tensor_parallel`): its
-        // parameters are whole on every rank.
-        let whole = TpRole::SequenceReplicated;
-        let mut linear = |what: &str, shape: [i64; 2], bias: bool| {
-            let weight = u.linear(at(&format!("{what}.weight")), &shape, normal, whole);
-            (weight, bias.then(|| u.param(at(&format!("{what}.bias")), &shape[..1], Init::Zeros, whole)))
-        };
+        let mut linear = |what: &str, shape: [i64; 2], bias: bool| mixer_projection(u, &at(what), shape, bias);
         let in_proj = linear("in_proj", [c.inner() + c.conv_channels() + c.heads, dim], c.proj_bias);
         let out_proj = linear("out_proj", [dim, c.inner()], c.proj_bias);
         let conv = u.param(at("conv1d.weight"), &[c.conv_channels(), 1, c.conv_kernel], normal, whole);
@@ -197,19 +191,8 @@ impl Mamba2 {
             projected = projected.f_mul(&Tensor::f_cat(&parts, 0)?)?;
         }
         let parts = projected.f_split_with_sizes([c.inner(), c.conv_channels(), c.heads], -1)?;
-        let [z, mut mixed, dt] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("in_proj split".into()))?;
-        let keep = keep.map(|k| k.f_unsqueeze(-1)?.f_to_kind(mixed.kind())).transpose()?;
-        if let Some(keep) = &keep {
-            mixed = mixed.f_mul(keep)?;
-        }
-        let recurrent = cache.as_ref().and_then(|c| c.recurrent());
-        let initial = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
-        let conv_bias = self.conv.1.map(|b| &p[b]);
-        let (convolved, kept) = causal_conv(&mixed, &p[self.conv.0], conv_bias, recurrent.map(|r| &r.conv))?;
-        let mut convolved = convolved.f_silu()?;
-        if let Some(keep) = &keep {
-            convolved = convolved.f_mul(keep)?;
-        }
+        let [z, mixed, dt] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("in_proj split".into()))?;
+        let (convolved, kept, initial) = masked_conv(p, self.conv, mixed, cache.as_deref(), keep)?;
         let group_width = c.groups * c.state;
         let x = convolved.f_narrow(-1, 0, c.inner())?.f_view([b, t, c.heads, c.head_dim])?;
         let widened = |start: i64| -> Result<Tensor> {
@@ -245,6 +228,47 @@ impl Mamba2 {
         };
         p.linear(&out.f_to_kind(h.kind())?, self.out_proj.0, self.out_proj.1)
     }
+}
+
+/// How a Mamba mixer's parameters are held: whole on every rank (tensor parallelism is
+/// refused for these layers, `check_tensor_parallel`).
+pub(crate) const WHOLE: TpRole = TpRole::SequenceReplicated;
+
+/// Declares a Mamba mixer's projection `module` (`{module}.weight`, and `{module}.bias`
+/// where `bias`), `shape` `[out, in]`, held whole.
+pub(crate) fn mixer_projection(
+    u: &mut UnitBuilder<'_>,
+    module: &str,
+    shape: [i64; 2],
+    bias: bool,
+) -> (ParamId, Option<ParamId>) {
+    let weight = u.linear(format!("{module}.weight"), &shape, Init::Normal { std: INIT_STD }, WHOLE);
+    (weight, bias.then(|| u.param(format!("{module}.bias"), &shape[..1], Init::Zeros, WHOLE)))
+}
+
+/// The convolution before a Mamba mixer's scan over `inputs` `[B, T, C]`: padding's inputs
+/// zeroed where `keep` `[B, T]` is 0, the causal convolution continuing from a cache's last
+/// inputs, silu, padding's outputs zeroed again (the biases would otherwise write them into
+/// the state). The outputs, the last inputs to keep, and the cache's state where it holds one.
+pub(crate) fn masked_conv(
+    p: &Params<'_>,
+    (weight, bias): (ParamId, Option<ParamId>),
+    inputs: Tensor,
+    cache: Option<&DecodeCache>,
+    keep: Option<&Tensor>,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let keep = keep.map(|k| k.f_unsqueeze(-1)?.f_to_kind(inputs.kind())).transpose()?;
+    let masked = |x: Tensor| -> Result<Tensor> {
+        match &keep {
+            Some(keep) => Ok(x.f_mul(keep)?),
+            None => Ok(x),
+        }
+    };
+    let recurrent = cache.and_then(|c| c.recurrent());
+    let initial = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
+    let bias = bias.map(|b| &p[b]);
+    let (convolved, kept) = causal_conv(&masked(inputs)?, &p[weight], bias, recurrent.map(|r| &r.conv))?;
+    Ok((masked(convolved.f_silu()?)?, kept, initial))
 }
 
 /// The selective scan's inputs: `x` `[B, T, H, P]`, steps `dt` `[B, T, H]` (fp32), each

@@ -14,8 +14,9 @@
 //! with and without a decoding cache (which carries the convolution's last inputs and the
 //! state). Must not own the block around it ([`super::llama`] runs the norms, residual sums
 //! and feed-forward).
-use super::linear::{causal_conv, RecurrentState};
-use super::{DecodeCache, Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
+use super::linear::RecurrentState;
+use super::mamba::{masked_conv, mixer_projection, WHOLE};
+use super::{DecodeCache, Init, ParamId, Params, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -95,16 +96,10 @@ impl Mamba1 {
     /// Declares layer `name`'s mixer over hidden states `dim` wide, named as Jamba's folders
     /// name it (`{name}.mamba.*`).
     pub(crate) fn declare(u: &mut UnitBuilder<'_>, name: &str, config: &SelectiveScanConfig, dim: i64) -> Mamba1 {
-        let normal = Init::Normal { std: INIT_STD };
+        let (normal, whole) = (Init::Normal { std: INIT_STD }, WHOLE);
         let at = |what: &str| format!("{name}.mamba.{what}");
         let c = config;
-        // Tensor parallelism is refused for this layer (`check_tensor_parallel`): its
-        // parameters are whole on every rank.
-        let whole = TpRole::SequenceReplicated;
-        let mut linear = |what: &str, shape: [i64; 2], bias: bool| {
-            let weight = u.linear(at(&format!("{what}.weight")), &shape, normal, whole);
-            (weight, bias.then(|| u.param(at(&format!("{what}.bias")), &shape[..1], Init::Zeros, whole)))
-        };
+        let mut linear = |what: &str, shape: [i64; 2], bias: bool| mixer_projection(u, &at(what), shape, bias);
         let in_proj = linear("in_proj", [2 * c.inner, dim], c.proj_bias);
         let out_proj = linear("out_proj", [dim, c.inner], c.proj_bias);
         let (x_proj, _) = linear("x_proj", [c.time_step_rank + 2 * c.state, c.inner], false);
@@ -146,19 +141,8 @@ impl Mamba1 {
         let c = &self.config;
         let projected = p.linear(h, self.in_proj.0, self.in_proj.1)?;
         let halves = projected.f_split(c.inner, -1)?;
-        let [mut x, z] = <[Tensor; 2]>::try_from(halves).map_err(|_| Error::Model("in_proj split".into()))?;
-        let keep = keep.map(|k| k.f_unsqueeze(-1)?.f_to_kind(x.kind())).transpose()?;
-        if let Some(keep) = &keep {
-            x = x.f_mul(keep)?;
-        }
-        let recurrent = cache.as_ref().and_then(|c| c.recurrent());
-        let initial = recurrent.and_then(|r| r.state.as_ref()).map(Tensor::shallow_clone);
-        let conv_bias = self.conv.1.map(|b| &p[b]);
-        let (convolved, kept) = causal_conv(&x, &p[self.conv.0], conv_bias, recurrent.map(|r| &r.conv))?;
-        let mut x = convolved.f_silu()?;
-        if let Some(keep) = &keep {
-            x = x.f_mul(keep)?;
-        }
+        let [x, z] = <[Tensor; 2]>::try_from(halves).map_err(|_| Error::Model("in_proj split".into()))?;
+        let (x, kept, initial) = masked_conv(p, self.conv, x, cache.as_deref(), keep)?;
         let parts = p.linear(&x, self.x_proj, None)?.f_split_with_sizes([c.time_step_rank, c.state, c.state], -1)?;
         let [low_rank, input_map, output_map] =
             <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("x_proj split".into()))?;
