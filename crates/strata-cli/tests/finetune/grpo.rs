@@ -203,8 +203,11 @@ fn follows_trl(dir: &Path, c: &Case) {
         for key in keys.iter().chain(optional.iter().filter(|k| b.get(**k).is_some())) {
             let want = b[*key].as_f64().unwrap();
             let got = a[*key].as_f64().unwrap_or_else(|| panic!("{}: Strata's report lacks {key}", c.name));
-            // The gradient norm after the first update follows a trajectory whose rounding differs.
-            let bound = 1e-5 * want.abs().max(0.1) * if *key == "grad_norm" && step > 0 { 10.0 } else { 1.0 };
+            // The gradient norm and the loss after the first update follow a trajectory whose
+            // rounding differs with the CPU's kernels (the loss most: advantages of both signs
+            // nearly cancel in it); the weights at the end are held to 1e-5 below.
+            let drifts = ["grad_norm", "loss"].contains(key) && step > 0;
+            let bound = 1e-5 * want.abs().max(0.1) * if drifts { 10.0 } else { 1.0 };
             assert!((got - want).abs() <= bound, "{}: step {} {key}: Strata {got}, TRL {want}", c.name, step + 1);
         }
         clipped += b.get("clip_ratio/region_mean").and_then(Value::as_f64).unwrap_or(0.0);
