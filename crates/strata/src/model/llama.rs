@@ -857,6 +857,14 @@ impl LlamaConfig {
     }
 }
 
+/// `y` times `by`, where there is a multiplier.
+fn times(y: Tensor, by: Option<f64>) -> Result<Tensor> {
+    match by {
+        Some(m) => Ok(y.f_mul_scalar(m)?),
+        None => Ok(y),
+    }
+}
+
 /// A projection's weight and optional bias.
 type Dense = (ParamId, Option<ParamId>);
 
@@ -975,12 +983,11 @@ impl DenseFeedForward {
     fn forward(&self, p: &Params<'_>, h: &Tensor, kinds: &Kinds, gate_scale: Option<f64>) -> Result<Tensor> {
         let h = p.tp().enter(h)?;
         let dense = |(w, b): Dense| p.linear(&h, w, b);
-        let scaled = |gate: Tensor| gate_scale.map_or(Ok(gate.shallow_clone()), |s| gate.f_mul_scalar(s));
         let gated = match self.gate_up {
-            GateUpProjection::Apart { gate, up } => kinds.gate(&scaled(dense(gate)?)?, &dense(up)?)?,
+            GateUpProjection::Apart { gate, up } => kinds.gate(&times(dense(gate)?, gate_scale)?, &dense(up)?)?,
             GateUpProjection::Fused(both) => {
                 let halves = dense(both)?.f_chunk(2, -1)?;
-                kinds.gate(&scaled(halves[0].shallow_clone())?, &halves[1])?
+                kinds.gate(&times(halves[0].shallow_clone(), gate_scale)?, &halves[1])?
             }
             GateUpProjection::UpAlone { up, ref activation } => {
                 let up = dense(up)?;
@@ -1383,20 +1390,18 @@ impl LlamaBlock {
             (None, _) => None,
             (Some(mixer), mut cache) => {
                 let h = tp.enter(&normed)?;
-                let scaled = |x: &Tensor, by: Option<f64>| by.map_or(Ok(x.shallow_clone()), |m| x.f_mul_scalar(m));
                 // The mixer beside attention first: attention's cache moves past the positions.
                 let beside = match &self.beside {
                     Some(recurrent) => {
-                        let h = scaled(&h, self.mup.map(|m| m.recurrent_in))?;
+                        let h = times(h.shallow_clone(), self.mup.map(|m| m.recurrent_in))?;
                         let y = self.recurrent_mix(p, recurrent, h, cache.as_deref_mut())?;
-                        Some(scaled(&y, self.mup.map(|m| m.recurrent_out))?)
+                        Some(times(y, self.mup.map(|m| m.recurrent_out))?)
                     }
                     None => None,
                 };
-                let attending = matches!(mixer, Mixer::Attention(_));
-                let mup = self.mup.filter(|_| attending);
-                let h = scaled(&h, mup.map(|m| m.attention_in))?;
-                let y = scaled(&self.mix(p, mixer, h, heads, start, cache)?, mup.map(|m| m.attention_out))?;
+                // Validated: μP multipliers come with hybrid layers alone, whose mixer attends.
+                let h = times(h, self.mup.map(|m| m.attention_in))?;
+                let y = times(self.mix(p, mixer, h, heads, start, cache)?, self.mup.map(|m| m.attention_out))?;
                 Some(match beside {
                     Some(beside) => y.f_add(&beside)?,
                     None => y,
@@ -1428,12 +1433,8 @@ impl LlamaBlock {
             Some(feed_forward) => {
                 let fed = match feed_forward {
                     FeedForward::Dense(dense) => {
-                        let gate_scale = self.mup.map(|m| m.gate);
-                        let fed = dense.forward(p, &h, &self.kinds, gate_scale)?;
-                        match self.mup {
-                            Some(m) => fed.f_mul_scalar(m.down)?,
-                            None => fed,
-                        }
+                        let fed = dense.forward(p, &h, &self.kinds, self.mup.map(|m| m.gate))?;
+                        times(fed, self.mup.map(|m| m.down))?
                     }
                     FeedForward::Sparse(experts) => experts.forward(p, &h, None)?,
                     FeedForward::BesideShared { shared, sparse } => {
@@ -1540,10 +1541,7 @@ impl LlamaBlock {
 
     /// A sub-layer's output times the residual multiplier, where there is one.
     fn scaled(&self, y: Tensor) -> Result<Tensor> {
-        match self.residual_multiplier {
-            Some(m) => Ok(y.f_mul_scalar(m)?),
-            None => Ok(y),
-        }
+        times(y, self.residual_multiplier)
     }
 
     fn post_norm(&self, p: &Params<'_>, norm: Option<Norm>, y: Tensor) -> Result<Tensor> {
