@@ -218,13 +218,15 @@ def decoder_families():
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                              "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 500.0})),
         # DeepSeek-V2 (V2-Lite's shape): latent attention with whole queries (no low rank),
-        # rotated pairs turned as complex numbers, YaRN's mscale; four experts chosen greedily
-        # by softmax, two per token, weighted unrenormalised times the routed scale, beside a
-        # shared expert, the first layer dense.
+        # rotated pairs turned as complex numbers, YaRN's mscale; eight experts in four groups,
+        # three per token chosen greedily by softmax within the two groups whose best scores
+        # are highest (V2's larger models' choice), weighted unrenormalised times the routed
+        # scale, beside a shared expert, the first layer dense.
         "deepseek-v2": lambda: (tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config(
             **dict(common, num_key_value_heads=4), num_hidden_layers=3, moe_intermediate_size=12,
-            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.5,
-            first_k_dense_replace=1, topk_method="greedy", q_lora_rank=None, kv_lora_rank=12,
+            n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, routed_scaling_factor=1.5,
+            first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+            q_lora_rank=None, kv_lora_rank=12,
             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                              "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 500.0})),

@@ -19,7 +19,7 @@ use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
 use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, Multipliers, MupMultipliers, NormKind};
 use super::mamba::{GatedNorm, StateSpaceConfig};
-use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
+use super::moe::{ExpertActivation, ExpertNames, GroupScore, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
 use super::selective::{InnerNorms, SelectiveScanConfig};
 use super::short_conv::ShortConvConfig;
@@ -191,10 +191,10 @@ pub enum Family {
     /// DeepSeek-V3 (`deepseek_v3`): latent attention, sigmoid routing with a choice bias
     /// among groups of experts, shared experts, the first layers dense.
     DeepseekV3,
-    /// DeepSeek-V2 (`deepseek_v2`, V2-Lite's and Coder-V2-Lite's shape; the larger models'
-    /// group-limited choice is refused): DeepSeek-V3's latent
-    /// attention, each head's rotated part turned as adjacent pairs; experts chosen greedily
-    /// by their softmax scores and weighted by them unrenormalised, times the routed scale,
+    /// DeepSeek-V2 (`deepseek_v2`): DeepSeek-V3's latent attention, each head's rotated
+    /// part turned as adjacent pairs; experts chosen greedily by their softmax scores (within
+    /// the groups whose best scores are highest, as the larger models choose) and weighted
+    /// by them unrenormalised, times the routed scale,
     /// beside shared experts, the first layers dense.
     DeepseekV2,
     /// GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's latent attention and routing (one
@@ -1288,16 +1288,22 @@ impl Family {
                 moe.is_some_and(|m| {
                     let scored = match self {
                         Family::Mistral4 => m.scoring == Scoring::Softmax && !m.choice_bias,
-                        // DeepSeek-V2's greedy choice, its weights never renormalised.
+                        // DeepSeek-V2's greedy choice (within groups scored by their best
+                        // expert, where there are groups), its weights never renormalised.
                         Family::DeepseekV2 => {
-                            m.scoring == Scoring::Softmax && !m.choice_bias && !m.norm_topk && m.groups == 1
+                            m.scoring == Scoring::Softmax
+                                && !m.choice_bias
+                                && !m.norm_topk
+                                && (m.groups == 1 || m.group_score == GroupScore::Best)
                         }
                         _ => m.scoring == Scoring::Sigmoid && m.choice_bias,
                     };
-                    self.routes_like_deepseek() && !scored
+                    let grouped_as_v3 = m.groups == 1 || m.group_score == GroupScore::TopTwoSum;
+                    self.routes_like_deepseek() && !(scored && (self == Family::DeepseekV2 || grouped_as_v3))
                 }),
-                "DeepSeek-V3's sigmoid scores with a choice bias, or Mistral 4's softmax ones without, or \
-                 DeepSeek-V2's chosen greedily and not renormalised",
+                "DeepSeek-V3's sigmoid scores with a choice bias (groups scored by their two best), or \
+                 Mistral 4's softmax ones without, or DeepSeek-V2's chosen greedily (groups scored by their \
+                 best) and not renormalised",
             ),
             (
                 moe.is_some_and(|m| self.routes_like_deepseek() && m.shared_expert_dim.is_some() && m.shared_gate),
@@ -2568,6 +2574,9 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
             v["n_group"] = json!(moe.groups);
             v["topk_group"] = json!(moe.top_groups);
             v["norm_topk_prob"] = json!(moe.norm_topk);
+            if family == Family::DeepseekV2 && moe.groups > 1 {
+                v["topk_method"] = json!("group_limited_greedy");
+            }
             if family == Family::Glm4MoeLite {
                 let kinds: Vec<&str> =
                     (0..c.layers).map(|l| if moe.is_sparse(l) { "sparse" } else { "dense" }).collect();
@@ -4831,12 +4840,14 @@ impl Keys<'_> {
         let (mistral4, v2) = (family == Family::Mistral4, family == Family::DeepseekV2);
         // Mistral 4's and DeepSeek-V2's routers score by softmax and choose by those scores.
         let softmax = mistral4 || v2;
+        // DeepSeek-V2 chooses greedily, or within the groups whose best expert scores highest.
+        let group_limited = v2 && self.text("topk_method")?.is_some_and(|m| m == "group_limited_greedy");
         if v2 {
             self.only("scoring_func", &[json!("softmax")], "DeepSeek-V2's router scores by softmax")?;
             self.only(
                 "topk_method",
-                &[json!("greedy")],
-                "DeepSeek-V2's experts are chosen greedily; its group-limited choice is not supported",
+                &[json!("greedy"), json!("group_limited_greedy")],
+                "DeepSeek-V2's experts are chosen greedily, or greedily within the best groups",
             )?;
         } else if !mistral4 {
             self.only("scoring_func", &[json!("sigmoid")], "the router scores by sigmoid")?;
@@ -4875,9 +4886,18 @@ impl Keys<'_> {
             shared_gate: false,
             scoring: if softmax { Scoring::Softmax } else { Scoring::Sigmoid },
             choice_bias: !softmax,
-            // DeepSeek-V2's greedy choice reads no groups.
-            groups: if v2 { 1 } else { self.int("n_group")?.unwrap_or(groups) },
-            top_groups: if v2 { 1 } else { self.int("topk_group")?.unwrap_or(top_groups) },
+            // DeepSeek-V2's greedy choice reads no groups; its class has no default for them.
+            groups: match (v2, group_limited) {
+                (true, false) => 1,
+                (true, true) => self.required("n_group")?,
+                (false, _) => self.int("n_group")?.unwrap_or(groups),
+            },
+            top_groups: match (v2, group_limited) {
+                (true, false) => 1,
+                (true, true) => self.required("topk_group")?,
+                (false, _) => self.int("topk_group")?.unwrap_or(top_groups),
+            },
+            group_score: if v2 { GroupScore::Best } else { GroupScore::TopTwoSum },
             routed_scale: self.float("routed_scaling_factor")?.unwrap_or(routed_scale),
             dense_layers,
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
@@ -5488,8 +5508,9 @@ mod tests {
             (
                 Family::DeepseekV2,
                 json!({"num_experts_per_tok": 2, "topk_method": "group_limited_greedy"}),
-                "group-limited choice is not supported",
+                "n_group is missing",
             ),
+            (Family::DeepseekV2, json!({"num_experts_per_tok": 2, "topk_method": "noaux_tc"}), "noaux_tc"),
             (Family::Bamba, json!({"mamba_n_heads": 4, "z_loss_coefficient": 0.1}), "z-loss"),
             (Family::Lfm2Moe, json!({"num_experts": 4, "num_experts_per_tok": 2}), "layer_types is missing"),
             (Family::Dots1, json!({"num_experts_per_tok": 2, "n_shared_experts": 1}), "n_routed_experts is missing"),

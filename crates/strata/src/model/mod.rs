@@ -41,7 +41,9 @@ pub use llama::{
 };
 pub use mamba::{GatedNorm, StateSpaceConfig};
 pub use mlp::{mlp, MlpConfig};
-pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
+pub use moe::{
+    BalanceReport, ExpertExchange, ExpertNames, GroupScore, LoadBalance, MoeConfig, Routed, RowSharers, Scoring,
+};
 pub use presets::{preset, preset_names};
 pub use rope::{QueryScaling, Rope, RopeScaling, Rotation};
 pub use selective::{InnerNorms, SelectiveScanConfig};

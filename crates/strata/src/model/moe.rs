@@ -161,6 +161,17 @@ pub enum Scoring {
     Sigmoid,
 }
 
+/// How a group of experts is scored when tokens choose groups before experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupScore {
+    /// The sum of the group's two best choice scores (DeepSeek-V3's `noaux_tc`).
+    #[default]
+    TopTwoSum,
+    /// The group's best score (DeepSeek-V2's `group_limited_greedy`).
+    Best,
+}
+
 /// A decoder's mixture of experts, as its `config.json` describes it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
@@ -205,13 +216,16 @@ pub struct MoeConfig {
     #[serde(default)]
     pub bias_update_rate: f64,
     /// The experts fall into this many equal groups and each token chooses among the
-    /// `top_groups` groups whose two best scores sum highest (`n_group`, `topk_group`);
+    /// `top_groups` groups that score highest by `group_score` (`n_group`, `topk_group`);
     /// 1: no grouping.
     #[serde(default = "one")]
     pub groups: i64,
     /// Groups each token chooses its experts from (`topk_group`).
     #[serde(default = "one")]
     pub top_groups: i64,
+    /// How a group is scored where there are groups.
+    #[serde(default)]
+    pub group_score: GroupScore,
     /// The routing weights are multiplied by this (`routed_scaling_factor`).
     #[serde(default = "unit_scale")]
     pub routed_scale: f64,
@@ -309,6 +323,7 @@ impl MoeConfig {
             bias_update_rate: 0.0,
             groups: 1,
             top_groups: 1,
+            group_score: GroupScore::TopTwoSum,
             routed_scale: 1.0,
             norm_topk_epsilon: renormalisation_epsilon(),
             sparse_step: 1,
@@ -393,8 +408,9 @@ impl MoeConfig {
         self.check_groups()
     }
 
-    /// Group-limited routing fits: groups divide the experts, each holds two (its score is
-    /// its two best), no more groups are chosen than exist and they hold `top_k` experts.
+    /// Group-limited routing fits: groups divide the experts, each holds two where its
+    /// score is its two best, no more groups are chosen than exist and they hold `top_k`
+    /// experts.
     fn check_groups(&self) -> Result<()> {
         let (groups, top) = (self.groups, self.top_groups);
         if groups <= 0 || top <= 0 || top > groups {
@@ -403,9 +419,13 @@ impl MoeConfig {
             )));
         }
         if groups > 1 {
-            if self.experts % groups != 0 || self.experts / groups < 2 {
+            let least = match self.group_score {
+                GroupScore::TopTwoSum => 2,
+                GroupScore::Best => 1,
+            };
+            if self.experts % groups != 0 || self.experts / groups < least {
                 return Err(Error::Config(format!(
-                    "n_group {groups} must split the {} experts into groups of two or more",
+                    "n_group {groups} must split the {} experts into groups of {least} or more",
                     self.experts
                 )));
             }
@@ -571,6 +591,7 @@ pub(crate) struct Router {
     norm_topk: bool,
     groups: i64,
     top_groups: i64,
+    group_score: GroupScore,
     scale: f64,
     norm_epsilon: f64,
     balance_over_softmax: bool,
@@ -682,6 +703,7 @@ impl SparseFeedForward {
                 norm_topk: moe.norm_topk,
                 groups: moe.groups,
                 top_groups: moe.top_groups,
+                group_score: moe.group_score,
                 scale: moe.routed_scale,
                 norm_epsilon: moe.norm_topk_epsilon,
                 balance_over_softmax: moe.balance_over_softmax,
@@ -722,11 +744,14 @@ struct Dispatch {
 
 impl Router {
     /// `choice` `[N, E]` with the experts outside each token's `top_groups` best groups
-    /// set to -inf; a group's score is the sum of its two best choice scores.
+    /// set to -inf, the groups scored by the router's `group_score`.
     fn within_chosen_groups(&self, choice: &Tensor) -> Result<Tensor> {
         let (n, experts) = (choice.size()[0], choice.size()[1]);
         let grouped = choice.f_reshape([n, self.groups, experts / self.groups])?;
-        let group_scores = grouped.f_topk(2, -1, true, true)?.0.f_sum_dim_intlist(-1, false, Kind::Float)?;
+        let group_scores = match self.group_score {
+            GroupScore::TopTwoSum => grouped.f_topk(2, -1, true, true)?.0.f_sum_dim_intlist(-1, false, Kind::Float)?,
+            GroupScore::Best => grouped.f_amax(-1, false)?,
+        };
         let chosen = group_scores.f_topk(self.top_groups, -1, true, false)?.1;
         let kept = Tensor::f_zeros([n, self.groups], (Kind::Bool, choice.device()))?.f_scatter_value(1, &chosen, 1)?;
         let kept = kept.f_unsqueeze(-1)?.f_expand_as(&grouped)?.f_reshape([n, experts])?;
@@ -1540,6 +1565,7 @@ mod tests {
                 norm_topk: true,
                 groups: 1,
                 top_groups: 1,
+                group_score: GroupScore::TopTwoSum,
                 scale: 1.0,
                 norm_epsilon: renormalisation_epsilon(),
                 balance_over_softmax: false,

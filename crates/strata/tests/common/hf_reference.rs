@@ -4,17 +4,22 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// The environment's Python, if it has `transformers` (else the test says why it skips).
+/// Asked once per test binary: importing `transformers` takes seconds.
 pub fn python() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    let ok =
-        p.exists() && Command::new(&p).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipping: {} with transformers is missing (run scripts/setup.sh)", p.display());
+    static FOUND: OnceLock<Option<PathBuf>> = OnceLock::new();
+    let found = FOUND.get_or_init(|| {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+        let ok = p.exists()
+            && Command::new(&p).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
+        ok.then_some(p)
+    });
+    if found.is_none() {
+        eprintln!("skipping: .venv/bin/python with transformers is missing (run scripts/setup.sh)");
     }
-    ok.then_some(p)
+    found.clone()
 }
 
 /// The serving reference process: commands in, one JSON answer a line out; its standard
