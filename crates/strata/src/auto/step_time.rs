@@ -278,7 +278,7 @@ impl Memo {
         if let Some(per_forward) = self.makespans.get(&key) {
             return Ok(per_forward * forward);
         }
-        let ops: Vec<_> = (0..pipeline.stages).map(|r| schedule::schedule(kind, pipeline, r)).collect::<Result<_>>()?;
+        let ops = schedule::every_rank(kind, pipeline)?;
         let costs = Costs { forward: 1.0, input_grad: ratio / 2.0, weight_grad: ratio / 2.0 };
         let per_forward = schedule::simulate(pipeline, &ops, costs)?.ends.iter().copied().fold(0.0, f64::max);
         self.makespans.insert(key, per_forward);

@@ -86,7 +86,28 @@ impl Op {
             Op::SendGrad { micro, chunk } => ("send_grad", micro, chunk),
         }
     }
+
+    /// The operation's place among those a rank of `p` may run (by kind, micro-batch and
+    /// chunk), where it is one of them.
+    fn slot(self, p: Pipeline) -> Option<usize> {
+        let kind = match self {
+            Op::RecvActivation { .. } => 0,
+            Op::Forward { .. } => 1,
+            Op::SendActivation { .. } => 2,
+            Op::RecvGrad { .. } => 3,
+            Op::Backward { .. } => 4,
+            Op::BackwardInput { .. } => 5,
+            Op::BackwardWeight { .. } => 6,
+            Op::SendGrad { .. } => 7,
+        };
+        let (_, micro, chunk) = self.parts();
+        (micro < p.micro_batches && chunk < p.virtual_stages)
+            .then(|| (kind * p.micro_batches + micro) * p.virtual_stages + chunk)
+    }
 }
+
+/// Kinds of [`Op`].
+const OP_KINDS: usize = 8;
 
 /// The shape of a pipeline: `stages` ranks, `micro_batches` per step, `virtual_stages`
 /// chunks per rank (1 except for the interleaved schedule).
@@ -162,9 +183,9 @@ impl Pipeline {
 /// then errs on the side of memory).
 pub fn most_held(kind: ScheduleKind, pipeline: Pipeline) -> Result<Vec<u64>> {
     let mut most = vec![0u64; pipeline.total_stages()];
-    for rank in 0..pipeline.stages {
+    for (rank, ops) in every_rank(kind, pipeline)?.into_iter().enumerate() {
         let mut held = vec![0u64; pipeline.virtual_stages];
-        for op in schedule(kind, pipeline, rank)? {
+        for op in ops {
             match op {
                 Op::Forward { chunk, .. } => held[chunk] += 1,
                 Op::Backward { chunk, .. } | Op::BackwardWeight { chunk, .. } => {
@@ -195,6 +216,19 @@ pub fn schedule(kind: ScheduleKind, pipeline: Pipeline, rank: usize) -> Result<V
         ScheduleKind::ZeroBubbleH2 => zero_bubble(pipeline, HeldLimits::H2)?.swap_remove(rank),
     };
     Ok(with_communication(pipeline, rank, &steps))
+}
+
+/// Every rank's operations, in rank order: [`schedule`] of each rank, the zero-bubble
+/// schedules (built for all ranks at once) built once.
+pub fn every_rank(kind: ScheduleKind, pipeline: Pipeline) -> Result<Vec<Vec<Op>>> {
+    let limits = match kind {
+        ScheduleKind::ZeroBubble => HeldLimits::H1,
+        ScheduleKind::ZeroBubbleH2 => HeldLimits::H2,
+        _ => return (0..pipeline.stages).map(|rank| schedule(kind, pipeline, rank)).collect(),
+    };
+    pipeline.check(kind)?;
+    let steps = zero_bubble(pipeline, limits)?;
+    Ok(steps.iter().enumerate().map(|(rank, steps)| with_communication(pipeline, rank, steps)).collect())
 }
 
 fn gpipe(p: Pipeline) -> Vec<Step> {
@@ -410,17 +444,20 @@ pub fn idle_shares(busy: &[f64], spans: &[f64]) -> Vec<f64> {
 /// never wait, compute waits for its inputs. Fails on a deadlock, on a receive whose
 /// message comes out of order, and on an operation without its prerequisites.
 pub fn simulate(pipeline: Pipeline, ranks: &[Vec<Op>], costs: Costs) -> Result<Simulation> {
-    use std::collections::{HashMap, HashSet, VecDeque};
+    use std::collections::VecDeque;
     let p = pipeline;
     let n = ranks.len();
     let last = p.total_stages() - 1;
     let fail = |m: String| Error::Engine(format!("pipeline schedule: {m}"));
-    // Ordered queues, by (from, to, carries gradients): (micro, chunk of the receiver, time).
-    type Link = (usize, usize, bool);
-    type Message = (usize, usize, f64);
-    let mut queues: HashMap<Link, VecDeque<Message>> = HashMap::new();
+    // A rank receives activations from the rank before it in the ring and gradients from
+    // the one after it. Ordered queues by receiver and whether they carry gradients
+    // (`link`): (micro, chunk of the receiver, time).
+    let link = |to: usize, grads: bool| 2 * to + usize::from(grads);
+    let sender = |to: usize, grads: bool| if grads { (to + 1) % n } else { (to + n - 1) % n };
+    let mut queues: Vec<VecDeque<(usize, usize, f64)>> = vec![VecDeque::new(); 2 * n];
     let (mut clock, mut busy, mut next) = (vec![0.0f64; n], vec![0.0f64; n], vec![0usize; n]);
-    let mut done: Vec<HashSet<Op>> = vec![HashSet::new(); n];
+    // Which of each rank's operations have run, by their slots.
+    let mut done = vec![vec![false; OP_KINDS * p.micro_batches * p.virtual_stages]; n];
     // The receiving rank and chunk of stage `s`.
     let at = |s: usize| (s % p.stages, s / p.stages);
     loop {
@@ -428,19 +465,19 @@ pub fn simulate(pipeline: Pipeline, ranks: &[Vec<Op>], costs: Costs) -> Result<S
         for r in 0..n {
             while let Some(&op) = ranks[r].get(next[r]) {
                 let mut start = clock[r];
-                let need = |o: Op| done[r].contains(&o);
+                let slot = op.slot(p).ok_or_else(|| fail(format!("rank {r}: {op:?} lies outside {p:?}")))?;
+                let need = |o: Op| o.slot(p).is_some_and(|s| done[r][s]);
                 let cost = match op {
                     Op::RecvActivation { micro, chunk } | Op::RecvGrad { micro, chunk } => {
                         let grads = matches!(op, Op::RecvGrad { .. });
-                        let stage = p.stage(r, chunk);
-                        let from = if grads { at(stage + 1).0 } else { at(stage - 1).0 };
-                        let Some(&(m, c, sent)) = queues.get(&(from, r, grads)).and_then(|q| q.front()) else { break };
+                        let Some(&(m, c, sent)) = queues[link(r, grads)].front() else { break };
                         if (m, c) != (micro, chunk) {
                             return Err(fail(format!(
-                                "rank {r} waits for {op:?} but rank {from} sent micro-batch {m} chunk {c} first"
+                                "rank {r} waits for {op:?} but rank {} sent micro-batch {m} chunk {c} first",
+                                sender(r, grads)
                             )));
                         }
-                        queues.get_mut(&(from, r, grads)).map(VecDeque::pop_front);
+                        queues[link(r, grads)].pop_front();
                         start = start.max(sent);
                         0.0
                     }
@@ -471,11 +508,11 @@ pub fn simulate(pipeline: Pipeline, ranks: &[Vec<Op>], costs: Costs) -> Result<S
                         let grads = matches!(op, Op::SendGrad { .. });
                         let stage = p.stage(r, chunk);
                         let (to, to_chunk) = if grads { at(stage - 1) } else { at(stage + 1) };
-                        queues.entry((r, to, grads)).or_default().push_back((micro, to_chunk, clock[r]));
+                        queues[link(to, grads)].push_back((micro, to_chunk, clock[r]));
                         0.0
                     }
                 };
-                if !done[r].insert(op) {
+                if std::mem::replace(&mut done[r][slot], true) {
                     return Err(fail(format!("rank {r} runs {op:?} twice")));
                 }
                 clock[r] = start + cost;
@@ -493,8 +530,9 @@ pub fn simulate(pipeline: Pipeline, ranks: &[Vec<Op>], costs: Costs) -> Result<S
             return Err(fail(format!("deadlock: {}", stuck.join(", "))));
         }
     }
-    if let Some(((from, to, _), q)) = queues.iter().find(|(_, q)| !q.is_empty()) {
-        return Err(fail(format!("{} messages from rank {from} to rank {to} never received", q.len())));
+    if let Some((l, q)) = queues.iter().enumerate().find(|(_, q)| !q.is_empty()) {
+        let (to, grads) = (l / 2, l % 2 == 1);
+        return Err(fail(format!("{} messages from rank {} to rank {to} never received", q.len(), sender(to, grads))));
     }
     Ok(Simulation { ends: clock, busy })
 }
@@ -512,7 +550,10 @@ mod tests {
     ];
 
     fn all_ranks(kind: ScheduleKind, p: Pipeline) -> Vec<Vec<Op>> {
-        (0..p.stages).map(|r| schedule(kind, p, r).unwrap()).collect()
+        let every = every_rank(kind, p).unwrap();
+        let one_at_a_time: Vec<Vec<Op>> = (0..p.stages).map(|r| schedule(kind, p, r).unwrap()).collect();
+        assert_eq!(every, one_at_a_time, "{kind:?} {p:?}: every rank's schedule at once is each rank's");
+        every
     }
 
     #[test]
