@@ -28,10 +28,9 @@ fn help(command: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// The long flags `command --help` lists, each from the start of its own entry (`-o,
-/// --output` included).
-fn flags_of(command: &[&str]) -> BTreeSet<String> {
-    let help = help(command);
+/// The long flags a command's `--help` text lists, each from the start of its own entry
+/// (`-o, --output` included).
+fn flags_of(help: &str) -> BTreeSet<String> {
     let entries = help.lines().filter_map(|l| {
         let l = l.trim_start();
         let l = l.strip_prefix('-').filter(|r| r.chars().nth(1) == Some(',')).map_or(l, |r| r[2..].trim_start());
@@ -40,8 +39,9 @@ fn flags_of(command: &[&str]) -> BTreeSet<String> {
     entries.flat_map(|e| flags_in(e.split_whitespace().next().unwrap_or_default())).filter(|f| f != "--help").collect()
 }
 
-/// Every command that takes flags (one without subcommands), as the words after `strata`.
-fn commands(prefix: &[String]) -> Vec<Vec<String>> {
+/// Every command that takes flags (one without subcommands), as the words after `strata`,
+/// with its `--help` text.
+fn commands(prefix: &[String]) -> Vec<(Vec<String>, String)> {
     let words: Vec<&str> = prefix.iter().map(String::as_str).collect();
     let text = help(&words);
     let subcommands: Vec<String> = text
@@ -53,13 +53,13 @@ fn commands(prefix: &[String]) -> Vec<Vec<String>> {
         .filter(|c| c != "help")
         .collect();
     if subcommands.is_empty() {
-        return vec![prefix.to_vec()];
+        return vec![(prefix.to_vec(), text)];
     }
     subcommands.into_iter().flat_map(|c| commands(&[prefix, &[c]].concat())).collect()
 }
 
 fn train_flags() -> BTreeSet<String> {
-    flags_of(&["train"])
+    flags_of(&help(&["train"]))
 }
 
 /// The page's synopsis lines (its first block) of `command`: those that begin with it.
@@ -99,12 +99,12 @@ fn every_train_flag_is_documented_and_every_documented_flag_exists() {
 fn every_command_has_a_synopsis_naming_exactly_its_flags() {
     let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/cli.md")).unwrap();
     let commands = commands(&[]);
-    assert!(commands.len() > 25, "the commands were read from --help: {commands:?}");
-    for command in commands.iter().filter(|c| c[..] != ["train"]) {
-        let words: Vec<&str> = command.iter().map(String::as_str).collect();
+    let names: Vec<&Vec<String>> = commands.iter().map(|(c, _)| c).collect();
+    assert!(names.len() > 25, "the commands were read from --help: {names:?}");
+    for (command, help) in commands.iter().filter(|(c, _)| c[..] != ["train"]) {
         let line = synopsis(&page, command);
         assert!(!line.is_empty(), "docs/cli.md has no synopsis line for strata {}", command.join(" "));
-        let (taken, documented) = (flags_of(&words), flags_in(&line));
+        let (taken, documented) = (flags_of(help), flags_in(&line));
         let undocumented: Vec<_> = taken.difference(&documented).collect();
         let unknown: Vec<_> = documented.difference(&taken).collect();
         assert!(
