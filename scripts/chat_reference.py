@@ -6,7 +6,11 @@
              chat_template.jinja);
   render     prints, for each conversation of a JSON Lines file ({"messages": [...]}), the
              text transformers' apply_chat_template renders and the ids of that text, with
-             and without the generation prompt after the conversation.
+             and without the generation prompt after the conversation;
+  cases      both for each STYLE=FILE given, in one process: the tokenizer folder
+             OUT/tok-STYLE, what render prints in OUT/render-STYLE.jsonl, and where
+             transformers refuses a conversation, its message in OUT/render-STYLE.error
+             (the conversations before it rendered).
 
 Nothing is downloaded. Run it with the project's virtual environment:
 .venv/bin/python scripts/chat_reference.py
@@ -140,7 +144,7 @@ def make_tokenizer(style, out):
             json.dump(config, f, indent=2)
 
 
-def render(folder, conversations):
+def render(folder, conversations, write=print):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -151,7 +155,20 @@ def render(folder, conversations):
             for key, prompt in (("whole", False), ("prompt", True)):
                 text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
                 out[key] = {"text": text, "ids": tok(text, add_special_tokens=False)["input_ids"]}
-            print(json.dumps(out))
+            write(json.dumps(out))
+
+
+def cases(pairs, out):
+    for pair in pairs:
+        style, conversations = pair.split("=", 1)
+        folder = f"{out}/tok-{style}"
+        make_tokenizer(style, folder)
+        with open(f"{out}/render-{style}.jsonl", "w") as rendered:
+            try:
+                render(folder, conversations, lambda line: rendered.write(line + "\n"))
+            except Exception as e:  # the template's own refusal, kept for the caller to compare
+                with open(f"{out}/render-{style}.error", "w") as error:
+                    error.write(f"{type(e).__name__}: {e}")
 
 
 def main():
@@ -163,9 +180,14 @@ def main():
     ren = sub.add_parser("render")
     ren.add_argument("--dir", required=True)
     ren.add_argument("--conversations", required=True)
+    both = sub.add_parser("cases")
+    both.add_argument("--out", required=True)
+    both.add_argument("pairs", nargs="+", metavar="STYLE=FILE")
     args = ap.parse_args()
     if args.command == "tokenizer":
         make_tokenizer(args.style, args.out)
+    elif args.command == "cases":
+        cases(args.pairs, args.out)
     else:
         render(args.dir, args.conversations)
 
