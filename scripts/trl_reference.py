@@ -32,6 +32,8 @@
         steps; writes --out/NAME.jsonl (loss, gradient norm and the metrics TRL logged, one
         line a step) and the weights as --out/NAME.safetensors.
 
+Several commands separated by "+" run in turn in one process (TRL imported once).
+
 Nothing is downloaded. Run it with the project's virtual environment:
 .venv/bin/python scripts/trl_reference.py
 """
@@ -229,7 +231,7 @@ def grpo_run(args, run, batches):
         f.write("\n".join(lines) + "\n")
 
 
-def main():
+def main(argv):
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make")
@@ -260,7 +262,7 @@ def main():
     g.add_argument("--generations", type=int, required=True)
     g.add_argument("--max-completion-length", type=int, required=True)
     g.add_argument("--lr", type=float, default=1e-3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.command == "grpo":
         with open(args.rollouts) as f:
             batches = json.load(f)
@@ -279,4 +281,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command = []
+    for word in sys.argv[1:] + ["+"]:
+        if word != "+":
+            command.append(word)
+        elif command:
+            main(command)
+            command = []

@@ -115,7 +115,6 @@ fn config_of(fields: &Value) -> GrpoConfig {
 /// The model folder and TRL's runs of every case, made once.
 fn reference(py: &Path) -> PathBuf {
     common::shared_dir("trl-grpo", |dir| {
-        python(py, &["make", "--out", s(&dir.join("model")), "--seed", "4"]);
         let batches: Vec<Value> = generation_batches()
             .iter()
             .map(|r| json!({"prompts": r.prompts, "completions": r.completions, "rewards": r.rewards}))
@@ -132,22 +131,26 @@ fn reference(py: &Path) -> PathBuf {
         std::fs::write(dir.join("runs.json"), Value::from(runs).to_string()).unwrap();
         let trl = dir.join("trl");
         std::fs::create_dir_all(&trl).unwrap();
+        // The model folder, then TRL's runs on it, in one reference process.
         python(
             py,
             &[
-                "grpo",
-                "--model",
-                s(&dir.join("model")),
-                "--runs",
-                s(&dir.join("runs.json")),
-                "--rollouts",
-                s(&dir.join("rollouts.json")),
-                "--out",
-                s(&trl),
-                "--generations",
-                &GENERATIONS.to_string(),
-                "--max-completion-length",
-                &MAX_COMPLETION.to_string(),
+                &["make", "--out", s(&dir.join("model")), "--seed", "4"],
+                &[
+                    "grpo",
+                    "--model",
+                    s(&dir.join("model")),
+                    "--runs",
+                    s(&dir.join("runs.json")),
+                    "--rollouts",
+                    s(&dir.join("rollouts.json")),
+                    "--out",
+                    s(&trl),
+                    "--generations",
+                    &GENERATIONS.to_string(),
+                    "--max-completion-length",
+                    &MAX_COMPLETION.to_string(),
+                ],
             ],
         );
     })

@@ -205,8 +205,10 @@ fn script() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/trl_reference.py").display().to_string()
 }
 
-pub(super) fn python(py: &Path, args: &[&str]) {
-    let o = Command::new(py).arg(script()).args(args).output().unwrap();
+/// Runs `commands` of the TRL reference in turn, in one process.
+pub(super) fn python(py: &Path, commands: &[&[&str]]) {
+    let args = commands.join(&"+");
+    let o = Command::new(py).arg(script()).args(&args).output().unwrap();
     assert!(o.status.success(), "trl_reference.py {args:?}:\n{}", stderr(&o));
 }
 
@@ -232,16 +234,19 @@ fn records(c: &Case) -> &'static str {
 /// The model folder, pair files, adapter and TRL's runs of every case, made once.
 fn reference(py: &Path) -> PathBuf {
     common::shared_dir("trl", |dir| {
-        python(py, &["make", "--out", s(&dir.join("model")), "--seed", "3"]);
         let lora = r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}"#;
-        python(py, &["lora", "--model", s(&dir.join("model")), "--out", s(&dir.join("adapter")), "--config", lora]);
-        let model = dir.join("model");
-        let out = dir.join("adapter_trained");
-        python(py, &["lora", "--model", s(&model), "--out", s(&out), "--config", lora, "--move-b"]);
         let head =
             r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}"#;
-        let out = dir.join("adapter_head");
-        python(py, &["lora", "--model", s(&model), "--out", s(&out), "--config", head, "--move-saved"]);
+        let (model, fresh) = (dir.join("model"), dir.join("adapter"));
+        let (trained, with_head) = (dir.join("adapter_trained"), dir.join("adapter_head"));
+        // The folders, adapters and TRL's runs in one reference process, once the files
+        // below are written.
+        let setup: [&[&str]; 4] = [
+            &["make", "--out", s(&model), "--seed", "3"],
+            &["lora", "--model", s(&model), "--out", s(&fresh), "--config", lora],
+            &["lora", "--model", s(&model), "--out", s(&trained), "--config", lora, "--move-b"],
+            &["lora", "--model", s(&model), "--out", s(&with_head), "--config", head, "--move-saved"],
+        ];
         let pairs = sums();
         write_lines(
             &dir.join("text.jsonl"),
@@ -297,24 +302,22 @@ fn reference(py: &Path) -> PathBuf {
         let (out, batch, steps) = (dir.join("trl"), BATCH.to_string(), STEPS.to_string());
         std::fs::create_dir_all(&out).unwrap();
         let runs = dir.join("runs.json");
-        python(
-            py,
-            &[
-                "runs",
-                "--model",
-                s(&dir.join("model")),
-                "--runs",
-                s(&runs),
-                "--out",
-                s(&out),
-                "--max-length",
-                "64",
-                "--batch",
-                &batch,
-                "--steps",
-                &steps,
-            ],
-        );
+        let run: &[&str] = &[
+            "runs",
+            "--model",
+            s(&model),
+            "--runs",
+            s(&runs),
+            "--out",
+            s(&out),
+            "--max-length",
+            "64",
+            "--batch",
+            &batch,
+            "--steps",
+            &steps,
+        ];
+        python(py, &[&setup[..], &[run]].concat());
     })
 }
 

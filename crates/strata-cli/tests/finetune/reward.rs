@@ -51,11 +51,16 @@ const CASES: &[Case] = &[
 /// The reward folder, a causal folder, the pair files and TRL's runs, made once.
 fn reference(py: &Path) -> PathBuf {
     common::shared_dir("trl-reward", |dir| {
-        python(py, &["make", "--out", s(&dir.join("reward")), "--seed", "5", "--reward"]);
-        python(py, &["make", "--out", s(&dir.join("causal")), "--seed", "6"]);
         let lora =
             r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"], "task_type": "SEQ_CLS"}"#;
-        python(py, &["lora", "--model", s(&dir.join("reward")), "--out", s(&dir.join("adapter")), "--config", lora]);
+        // The folders and adapter, then TRL's runs, in one reference process once the files
+        // below are written.
+        let (reward, causal, adapter) = (dir.join("reward"), dir.join("causal"), dir.join("adapter"));
+        let setup: [&[&str]; 3] = [
+            &["make", "--out", s(&reward), "--seed", "5", "--reward"],
+            &["make", "--out", s(&causal), "--seed", "6"],
+            &["lora", "--model", s(&reward), "--out", s(&adapter), "--config", lora],
+        ];
         let pairs = sums();
         write_lines(
             &dir.join("text.jsonl"),
@@ -89,24 +94,22 @@ fn reference(py: &Path) -> PathBuf {
         std::fs::create_dir_all(&out).unwrap();
         let (batch, steps) = (BATCH.to_string(), STEPS.to_string());
         let (model, runs) = (dir.join("reward"), dir.join("runs.json"));
-        python(
-            py,
-            &[
-                "runs",
-                "--model",
-                s(&model),
-                "--runs",
-                s(&runs),
-                "--out",
-                s(&out),
-                "--max-length",
-                "64",
-                "--batch",
-                &batch,
-                "--steps",
-                &steps,
-            ],
-        );
+        let run: &[&str] = &[
+            "runs",
+            "--model",
+            s(&model),
+            "--runs",
+            s(&runs),
+            "--out",
+            s(&out),
+            "--max-length",
+            "64",
+            "--batch",
+            &batch,
+            "--steps",
+            &steps,
+        ];
+        python(py, &[&setup[..], &[run]].concat());
     })
 }
 
@@ -212,7 +215,7 @@ fn a_causal_folder_becomes_a_reward_model_that_transformers_reads_back() {
     let trl = out.path().join("trl");
     std::fs::create_dir_all(&trl).unwrap();
     let args = ["runs", "--model", s(&ours), "--runs", s(&runs), "--out", s(&trl), "--max-length", "64"];
-    python(&py, &[&args[..], &["--batch", "4", "--steps", "1", "--lr", "0"]].concat());
+    python(&py, &[&[&args[..], &["--batch", "4", "--steps", "1", "--lr", "0"]].concat()]);
     assert_metrics_follow("fresh head", &ours.join("metrics.jsonl"), &trl.join("fresh.jsonl"), 1);
 }
 
