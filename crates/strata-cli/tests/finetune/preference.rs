@@ -298,27 +298,41 @@ fn reference(py: &Path) -> PathBuf {
                 })
             })
             .collect();
-        std::fs::write(dir.join("runs.json"), Value::from(runs).to_string()).unwrap();
-        let (out, batch, steps) = (dir.join("trl"), BATCH.to_string(), STEPS.to_string());
-        std::fs::create_dir_all(&out).unwrap();
-        let runs = dir.join("runs.json");
-        let run: &[&str] = &[
-            "runs",
-            "--model",
-            s(&model),
-            "--runs",
-            s(&runs),
-            "--out",
-            s(&out),
-            "--max-length",
-            "64",
-            "--batch",
-            &batch,
-            "--steps",
-            &steps,
-        ];
-        python(py, &[&setup[..], &[run]].concat());
+        trl_runs(py, dir, &setup, &model, runs, BATCH, STEPS);
     })
+}
+
+/// Runs the reference's `setup` commands, then TRL's `runs` on `model` (`batch` records a
+/// step, `steps` steps, rows of at most 64 tokens) into `dir/trl`, in one process.
+pub(super) fn trl_runs(
+    py: &Path,
+    dir: &Path,
+    setup: &[&[&str]],
+    model: &Path,
+    runs: Vec<Value>,
+    batch: usize,
+    steps: usize,
+) {
+    let (runs_file, out) = (dir.join("runs.json"), dir.join("trl"));
+    std::fs::write(&runs_file, Value::from(runs).to_string()).unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    let (batch, steps) = (batch.to_string(), steps.to_string());
+    let run: &[&str] = &[
+        "runs",
+        "--model",
+        s(model),
+        "--runs",
+        s(&runs_file),
+        "--out",
+        s(&out),
+        "--max-length",
+        "64",
+        "--batch",
+        &batch,
+        "--steps",
+        &steps,
+    ];
+    python(py, &[setup, &[run]].concat());
 }
 
 /// The flags of a `strata train` run that steps as the TRL reference does: `steps` steps at

@@ -5,7 +5,7 @@
 //! stages over two ranks — each of 10
 //! steps' loss, gradient norm and TRL's metrics, and the weights the steps end with; and a
 //! causal folder turned into a reward model, saved as a folder `transformers` reads back.
-use super::preference::{python, s, said, steps_as_trl, sums, write_lines};
+use super::preference::{python, s, said, steps_as_trl, sums, trl_runs, write_lines};
 use crate::common::{self, reports, stderr, strata};
 use crate::TENSOR;
 use serde_json::{json, Value};
@@ -89,27 +89,7 @@ fn reference(py: &Path) -> PathBuf {
                        "center_rewards_coefficient": c.center, "adapter": c.adapter.then(|| dir.join("adapter"))})
             })
             .collect();
-        std::fs::write(dir.join("runs.json"), Value::from(runs).to_string()).unwrap();
-        let out = dir.join("trl");
-        std::fs::create_dir_all(&out).unwrap();
-        let (batch, steps) = (BATCH.to_string(), STEPS.to_string());
-        let (model, runs) = (dir.join("reward"), dir.join("runs.json"));
-        let run: &[&str] = &[
-            "runs",
-            "--model",
-            s(&model),
-            "--runs",
-            s(&runs),
-            "--out",
-            s(&out),
-            "--max-length",
-            "64",
-            "--batch",
-            &batch,
-            "--steps",
-            &steps,
-        ];
-        python(py, &[&setup[..], &[run]].concat());
+        trl_runs(py, dir, &setup, &reward, runs, BATCH, STEPS);
     })
 }
 
