@@ -206,6 +206,12 @@ def decoder_families():
         "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(
             **dict(common, intermediate_size=16), num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=False, clip_qkv=3.0, tie_word_embeddings=False, router_aux_loss_coef=0.02)),
+        # FlexOlmo: OLMo 2's norms after attention and the feed-forward and over whole
+        # projections, with OLMoE's experts (six, two per token, unrenormalised).
+        "flex-olmo": lambda: (tf.FlexOlmoForCausalLM, tf.FlexOlmoConfig(
+            **dict(common, intermediate_size=16), num_hidden_layers=2, num_experts=6, num_experts_per_tok=2,
+            norm_topk_prob=False, tie_word_embeddings=False, router_aux_loss_coef=0.02, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # DeepSeek-V3: latent attention with low-rank queries, interleaved rotated pairs and
         # YaRN's mscale (cos/sin and scores scaled apart); sigmoid routing with a choice
         # bias (drawn in build) among groups, two shared experts, the first layer dense.

@@ -207,6 +207,7 @@ fn newer_families_train_split_as_one_process() {
         ("nemotron-h", "pipeline 2", PIPELINE),
         ("falcon-h1", "fsdp", r#"["fsdp"]"#),
         ("jamba", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("flex-olmo", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
     ] {
         let flags = ["--ctx", "16", "--batch-size", "4", "--threads", "1", "--optimizer", "sgd", "--lr", "0.05"];
         // A family's layouts (listed together) follow one run of it alone.

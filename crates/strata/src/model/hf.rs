@@ -4,7 +4,7 @@
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
 //! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
-//! ([`super::moe`]) for `mixtral`, `minimax_m2`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `granitemoe`, `hunyuan_v1_moe`, `glm4_moe` and `gpt_oss` (with
+//! ([`super::moe`]) for `mixtral`, `minimax_m2`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `flex_olmo`, `ernie4_5_moe`, `granitemoe`, `hunyuan_v1_moe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3` and `glm4_moe_lite`; [`super::bert`] for `bert`, as a
@@ -182,6 +182,9 @@ pub enum Family {
     Qwen3VlMoe,
     /// OLMoE (`olmoe`): LLaMA's decoder with experts and norms over whole projections.
     Olmoe,
+    /// FlexOlmo (`flex_olmo`): OLMo 2's decoder (norms after attention and the
+    /// feed-forward alone, norms over whole projections) with OLMoE's experts.
+    FlexOlmo,
     /// OLMo 2 (`olmo2`): LLaMA's decoder with norms after attention and the feed-forward
     /// alone, and query/key norms over whole projections.
     Olmo2,
@@ -366,7 +369,7 @@ fn split_factor(name: &str) -> (&str, &str) {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 60] = [
+const FAMILIES: [Family; 61] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -412,6 +415,7 @@ const FAMILIES: [Family; 60] = [
     Family::Dots1,
     Family::Qwen3VlMoe,
     Family::Olmoe,
+    Family::FlexOlmo,
     Family::Olmo2,
     Family::Olmo3,
     Family::OlmoHybrid,
@@ -477,6 +481,7 @@ impl Family {
             Family::Dots1 => "dots1",
             Family::Qwen3VlMoe => "qwen3_vl_moe_text",
             Family::Olmoe => "olmoe",
+            Family::FlexOlmo => "flex_olmo",
             Family::Olmo2 => "olmo2",
             Family::Olmo3 => "olmo3",
             Family::OlmoHybrid => "olmo_hybrid",
@@ -555,6 +560,7 @@ impl Family {
             Family::Dots1 => "Dots1",
             Family::Qwen3VlMoe => "Qwen3VLMoeText",
             Family::Olmoe => "Olmoe",
+            Family::FlexOlmo => "FlexOlmo",
             Family::Olmo2 => "Olmo2",
             Family::Olmo3 => "Olmo3",
             Family::OlmoHybrid => "OlmoHybrid",
@@ -586,6 +592,7 @@ impl Family {
             Family::Gpt2
                 | Family::T5
                 | Family::Olmoe
+                | Family::FlexOlmo
                 | Family::Glm4Moe
                 | Family::Qwen3_5Moe
                 | Family::Gemma4
@@ -639,7 +646,7 @@ impl Family {
                 SolarOpen => 131_072,
                 Glm4MoeLite => 202_752,
                 Apertus | OlmoHybrid => 65_536,
-                Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron | NemotronH => 4096,
+                Phi3 | Olmoe | FlexOlmo | DeepseekV3 | Arcee | Starcoder2 | Nemotron | NemotronH => 4096,
                 Cohere | Cohere2 | FalconH1 => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
@@ -658,7 +665,7 @@ impl Family {
                 Mixtral | Qwen2_5Vl | Lfm2 | Lfm2Moe => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
-                Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl | Qwen3VlMoe => 500_000.0,
+                Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl | Qwen3VlMoe | FlexOlmo => 500_000.0,
                 Apertus => 12_000_000.0,
                 MiniMaxM2 => 5_000_000.0,
                 SolarOpen => 1_000_000.0,
@@ -731,7 +738,7 @@ impl Family {
 
     /// Whether the family is OLMo 2's (norms after attention and the feed-forward alone).
     fn is_olmo(self) -> bool {
-        matches!(self, Family::Olmo2 | Family::Olmo3 | Family::OlmoHybrid)
+        matches!(self, Family::Olmo2 | Family::Olmo3 | Family::OlmoHybrid | Family::FlexOlmo)
     }
 
     /// The dense family whose attention, windows and keys a mixture of experts shares
@@ -748,6 +755,7 @@ impl Family {
             Family::GraniteMoe | Family::GraniteMoeHybrid => Family::Granite,
             Family::HunYuanMoe => Family::HunYuanDense,
             Family::Lfm2Moe => Family::Lfm2,
+            Family::FlexOlmo => Family::Olmo2,
             Family::Olmoe
             | Family::MiniMaxM2
             | Family::DeepseekV3
@@ -910,6 +918,8 @@ impl Family {
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
                 _ if moe.names == ExpertNames::InputOutputLinear => Family::GraniteMoe,
+                // OLMo 2's norms after attention and the feed-forward.
+                c if c.post_norms => Family::FlexOlmo,
                 c if c.qk_norm_whole => Family::Olmoe,
                 _ if moe.names == ExpertNames::SharedMlp => Family::HunYuanMoe,
                 c if c.qk_norm => Family::Qwen3Moe,
@@ -1115,6 +1125,7 @@ impl Family {
                         self,
                         Family::Mixtral
                             | Family::Olmoe
+                            | Family::FlexOlmo
                             | Family::Qwen3_5Moe
                             | Family::GraniteMoe
                             | Family::GraniteMoeHybrid
@@ -2626,11 +2637,13 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
                 v["swiglu_limit"] = json!(limit);
             }
         }
-        Family::Olmoe => {
+        Family::Olmoe | Family::FlexOlmo => {
             v["num_experts"] = json!(moe.experts);
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
             v["norm_topk_prob"] = json!(moe.norm_topk);
-            v["clip_qkv"] = json!(c.clip_qkv);
+            if family == Family::Olmoe {
+                v["clip_qkv"] = json!(c.clip_qkv);
+            }
             v["attention_bias"] = json!(c.qkv_bias);
         }
         _ => {
@@ -3556,7 +3569,7 @@ impl Keys<'_> {
             | Family::Cohere2 => Some(0),
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
-            Family::OlmoHybrid => Some(100_277),
+            Family::OlmoHybrid | Family::FlexOlmo => Some(100_277),
             Family::Lfm2 | Family::Lfm2Moe | Family::Bamba | Family::FalconH1 | Family::Jamba => Some(0),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -4642,6 +4655,7 @@ impl Keys<'_> {
             Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeHybrid => (8, 2, None),
             Family::MiniMaxM2 => (256, 8, None),
             Family::Olmoe => (64, 8, None),
+            Family::FlexOlmo => (7, 5, None),
             Family::GptOss => (128, 4, None),
             Family::Qwen2Moe | Family::Qwen3VlMoe => (60, 4, Some(1408)),
             Family::Qwen3Moe => (128, 8, Some(768)),
@@ -4689,11 +4703,9 @@ impl Keys<'_> {
             shared_expert_dim,
             sparse_step: if qwen { self.int("decoder_sparse_step")?.unwrap_or(1) } else { 1 },
             dense_layers,
-            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(if family == Family::Olmoe {
-                0.01
-            } else {
-                0.001
-            }),
+            aux_loss_coef: self
+                .float("router_aux_loss_coef")?
+                .unwrap_or(if matches!(family, Family::Olmoe | Family::FlexOlmo) { 0.01 } else { 0.001 }),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             names: match family {
                 Family::Mixtral | Family::MiniMaxM2 => ExpertNames::BlockSparse,
@@ -4950,7 +4962,7 @@ impl Keys<'_> {
         let window = match family {
             Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4MoeLite | Mistral4 | Glm4Moe
             | SeedOss | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2
-            | Qwen3Vl | Qwen3VlMoe | OlmoHybrid => return Ok((None, None)),
+            | Qwen3Vl | Qwen3VlMoe | OlmoHybrid | FlexOlmo => return Ok((None, None)),
             Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3
                 if !self.flag("use_sliding_window")?.unwrap_or(false) =>
             {
@@ -6358,6 +6370,7 @@ mod tests {
                 json!({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "decoder_sparse_step": 2}),
             ),
             (Family::Olmoe, json!({"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0})),
+            (Family::FlexOlmo, json!({"num_experts": 4, "num_experts_per_tok": 2})),
             (Family::Olmo2, json!({})),
             (Family::Olmo3, json!({})),
             (Family::Qwen3Next, json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})),

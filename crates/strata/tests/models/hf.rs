@@ -964,6 +964,12 @@ fn olmoe_matches_transformers() {
     experts_match_transformers("olmoe", 8, 24);
 }
 
+/// FlexOlmo: OLMo 2's norms after attention and the feed-forward, 6 experts.
+#[test]
+fn flex_olmo_matches_transformers() {
+    experts_match_transformers("flex-olmo", 6, 24);
+}
+
 /// DeepSeek-V2 (V2-Lite's shape): latent attention with whole queries, rotated pairs
 /// turned as complex numbers, YaRN's mscale; experts chosen greedily by softmax, weighted
 /// unrenormalised times the routed scale, beside a shared expert, a dense first layer.
@@ -1925,7 +1931,7 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 57] = [
+const DECODER_TYPES: [&str; 58] = [
     "llama",
     "mamba",
     "falcon_mamba",
@@ -1974,6 +1980,7 @@ const DECODER_TYPES: [&str; 57] = [
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "flex_olmo",
     "olmo2",
     "olmo3",
     "deepseek_v3",
