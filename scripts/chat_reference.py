@@ -4,13 +4,12 @@
              tokens of a template style (see TEMPLATES), and saves it with the template as a
              tokenizer folder (save_pretrained: tokenizer.json, tokenizer_config.json and
              chat_template.jinja);
-  render     prints, for each conversation of a JSON Lines file ({"messages": [...]}), the
-             text transformers' apply_chat_template renders and the ids of that text, with
-             and without the generation prompt after the conversation;
-  cases      both for each STYLE=FILE given, in one process: the tokenizer folder
-             OUT/tok-STYLE, what render prints in OUT/render-STYLE.jsonl, and where
-             transformers refuses a conversation, its message in OUT/render-STYLE.error
-             (the conversations before it rendered).
+  cases      for each STYLE=FILE given, in one process: the tokenizer folder OUT/tok-STYLE,
+             and in OUT/render-STYLE.jsonl, for each conversation of the JSON Lines FILE
+             ({"messages": [...]}), the text transformers' apply_chat_template renders and
+             the ids of that text, with and without the generation prompt after the
+             conversation; where transformers refuses a conversation, its message in
+             OUT/render-STYLE.error (the conversations before it rendered).
 
 Nothing is downloaded. Run it with the project's virtual environment:
 .venv/bin/python scripts/chat_reference.py
@@ -144,7 +143,7 @@ def make_tokenizer(style, out):
             json.dump(config, f, indent=2)
 
 
-def render(folder, conversations, write=print):
+def render(folder, conversations, rendered):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -155,7 +154,7 @@ def render(folder, conversations, write=print):
             for key, prompt in (("whole", False), ("prompt", True)):
                 text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
                 out[key] = {"text": text, "ids": tok(text, add_special_tokens=False)["input_ids"]}
-            write(json.dumps(out))
+            rendered.write(json.dumps(out) + "\n")
 
 
 def cases(pairs, out):
@@ -165,7 +164,7 @@ def cases(pairs, out):
         make_tokenizer(style, folder)
         with open(f"{out}/render-{style}.jsonl", "w") as rendered:
             try:
-                render(folder, conversations, lambda line: rendered.write(line + "\n"))
+                render(folder, conversations, rendered)
             except Exception as e:  # the template's own refusal, kept for the caller to compare
                 with open(f"{out}/render-{style}.error", "w") as error:
                     error.write(f"{type(e).__name__}: {e}")
@@ -177,19 +176,14 @@ def main():
     make = sub.add_parser("tokenizer")
     make.add_argument("--style", required=True, choices=sorted(TEMPLATES))
     make.add_argument("--out", required=True)
-    ren = sub.add_parser("render")
-    ren.add_argument("--dir", required=True)
-    ren.add_argument("--conversations", required=True)
     both = sub.add_parser("cases")
     both.add_argument("--out", required=True)
     both.add_argument("pairs", nargs="+", metavar="STYLE=FILE")
     args = ap.parse_args()
     if args.command == "tokenizer":
         make_tokenizer(args.style, args.out)
-    elif args.command == "cases":
-        cases(args.pairs, args.out)
     else:
-        render(args.dir, args.conversations)
+        cases(args.pairs, args.out)
 
 
 if __name__ == "__main__":

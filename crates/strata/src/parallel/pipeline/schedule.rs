@@ -212,8 +212,10 @@ pub fn schedule(kind: ScheduleKind, pipeline: Pipeline, rank: usize) -> Result<V
         ScheduleKind::Gpipe => gpipe(pipeline),
         ScheduleKind::OneForwardOneBackward => one_f_one_b(pipeline, rank),
         ScheduleKind::Interleaved => interleaved(pipeline, rank),
-        ScheduleKind::ZeroBubble => zero_bubble(pipeline, HeldLimits::H1)?.swap_remove(rank),
-        ScheduleKind::ZeroBubbleH2 => zero_bubble(pipeline, HeldLimits::H2)?.swap_remove(rank),
+        // Built for every rank at once.
+        ScheduleKind::ZeroBubble | ScheduleKind::ZeroBubbleH2 => {
+            return Ok(every_rank(kind, pipeline)?.swap_remove(rank))
+        }
     };
     Ok(with_communication(pipeline, rank, &steps))
 }
