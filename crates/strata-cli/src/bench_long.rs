@@ -157,7 +157,7 @@ struct Found {
 }
 
 /// The longest row (a multiple of `--granularity`, up to `--max-ctx`) whose `probe` fits
-/// `--device-memory`, searched from `from` positions up.
+/// `--device-memory`, searched from a guess of `from` positions.
 fn longest(args: &BenchLongArgs, from: i64, mut probe: impl FnMut(i64) -> Result<Probe>) -> Result<Found> {
     let mut probes: BTreeMap<i64, Probe> = BTreeMap::new();
     let units = bench_runs::largest_fitting(from / args.granularity, args.max_ctx / args.granularity, |units| {
@@ -283,8 +283,9 @@ pub fn run(args: BenchLongArgs) -> Result<()> {
         }
         let strategy = strategy(&args, methods);
         // Each configuration keeps less on the device than the one before: its search
-        // starts at the length that one reached.
-        let from = rows.last().map_or(0, |r| r.longest);
+        // starts at the length that one reached, times the ranks it adds (each rank holds
+        // its share of the row).
+        let from = rows.last().map_or(0, |r| r.longest * ranks as i64 / r.ranks as i64);
         let found = longest(&args, from, |len| probe(&args, ranks, &strategy, len))?;
         rows.push(Row::new(label, key, ranks, strategy, found));
     }

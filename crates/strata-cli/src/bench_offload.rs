@@ -143,7 +143,7 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         };
         let layers = match sized_like {
             Some(_) if most > 0 && fits(&args, most, &strategy)? => most,
-            // Doubling from the size the placement before this one reached (each moves more off
+            // Searched from the size the placement before this one reached (each moves more off
             // the device than the one before).
             _ => bench_runs::largest_fitting(rows.last().map_or(1, |r| r.layers), most, |layers| {
                 fits(&args, layers, &strategy)

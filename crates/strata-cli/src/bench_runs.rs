@@ -54,21 +54,41 @@ pub fn train(args: &[String], warmup: usize) -> Result<RunFigures> {
 }
 
 /// The largest size in `1..=most` for which `fits` holds (0: none), where it holds for
-/// every size up to some bound and for none beyond: doubling from `from`, then bisecting
-/// between the last size that fit and the first that did not. `fits` runs once per size
-/// tried, in the order tried.
+/// every size up to some bound and for none beyond. `from` is a guess: the search steps
+/// away from it by strides that double (up while sizes fit, down while they do not) until
+/// the bound lies between a size that fit and one that did not, then bisects. A guess `k`
+/// off costs about twice log2(k) runs, and from 1 the search doubles. `fits` runs once per
+/// size tried, in the order tried.
 pub fn largest_fitting(from: i64, most: i64, mut fits: impl FnMut(i64) -> Result<bool>) -> Result<i64> {
-    let (mut good, mut bad) = (0, None);
-    let mut probe = from.clamp(1, most.max(1)).min(most);
-    while bad.is_none() && good < most {
-        if fits(probe)? {
-            good = probe;
-            probe = (probe * 2).min(most);
-        } else {
-            bad = Some(probe);
+    if most < 1 {
+        return Ok(0);
+    }
+    let start = from.clamp(1, most);
+    // `good`: the largest size known to fit (0: none); `bad`: the smallest known not to
+    // (`most + 1`: none).
+    let (mut good, mut bad) = if fits(start)? { (start, most + 1) } else { (0, start) };
+    let mut stride = 1;
+    if good > 0 {
+        while good < most && bad > most {
+            let next = (good + stride).min(most);
+            if fits(next)? {
+                good = next;
+                stride *= 2;
+            } else {
+                bad = next;
+            }
+        }
+    } else {
+        while bad > 1 && good == 0 {
+            let next = (bad - stride).max(1);
+            if fits(next)? {
+                good = next;
+            } else {
+                bad = next;
+                stride *= 2;
+            }
         }
     }
-    let Some(mut bad) = bad else { return Ok(good) };
     while bad - good > 1 {
         let mid = (good + bad) / 2;
         if fits(mid)? {
@@ -114,6 +134,19 @@ mod tests {
             prop_assert_eq!(unique.len(), tried.len(), "sizes tried twice: {:?}", tried);
             prop_assert!(tried.iter().all(|&n| (1..=most).contains(&n)), "outside 1..={}: {:?}", most, tried);
             prop_assert!(tried.len() <= 2 * 12 + 2, "{} tries: {:?}", tried.len(), tried);
+        }
+
+        /// A guess near the bound costs few runs wherever the bound lies.
+        #[test]
+        fn a_close_guess_is_cheap(bound in 1i64..2000, off in -3i64..=3) {
+            let mut tries = 0;
+            let found = largest_fitting(bound + off, 4000, |n| {
+                tries += 1;
+                Ok(n <= bound)
+            })
+            .unwrap();
+            prop_assert_eq!(found, bound);
+            prop_assert!(tries <= 6, "{} tries from {} off", tries, off);
         }
     }
 

@@ -327,6 +327,9 @@ train_options! {
     auto_lora: String,
     /// Timed steps of each dry run (after one warm-up step).
     dry_run_steps: usize,
+    /// With --strategy auto: dry runs more of each finalist within 15% of the fastest
+    /// (0: one measurement decides).
+    confirm_runs: usize,
     /// Tune the given strategy's knobs (prefetch, bucket size) with short dry runs.
     finetune_strategy: bool,
     /// Train as PatrickStar's JSON configuration says (optimizer, fp16 loss scaler, chunk
@@ -712,6 +715,7 @@ pub struct TrainSettings {
     pub search: SearchMode,
     pub finetune_strategy: bool,
     pub dry_run_steps: usize,
+    pub confirm_runs: usize,
     pub auto_lora: Option<strata::strategy::LoraConfig>,
     pub save_strategy: Option<PathBuf>,
     pub search_report: Option<PathBuf>,
@@ -900,6 +904,7 @@ fn refuse_idle_options(o: &TrainOptions, strategy: &StrategyChoice) -> Result<()
         ("--time-limit", o.time_limit.is_some()),
         ("--search", o.search.is_some()),
         ("--auto-lora", o.auto_lora.is_some()),
+        ("--confirm-runs", o.confirm_runs.is_some()),
     ];
     if let Some(flag) = first_given(&searched_only).filter(|_| !auto) {
         bail!("{flag} shapes the automatic search: it needs --strategy auto");
@@ -1203,6 +1208,7 @@ impl TrainOptions {
                 Some(0) => bail!("--dry-run-steps must be positive"),
                 n => n.unwrap_or(3),
             },
+            confirm_runs: o.confirm_runs.unwrap_or(2),
             save_strategy: o.save_strategy,
             search_report: o.search_report,
             device_memory: match o.device_memory {

@@ -340,6 +340,7 @@ fn strategy_source(s: &TrainSettings) -> StrategySource {
             time_limit: s.time_limit,
             search: s.search,
             dry_run_steps: s.dry_run_steps,
+            confirm_runs: s.confirm_runs,
             lora: s.auto_lora.clone().map(Box::new),
             ..Default::default()
         }),

@@ -427,6 +427,8 @@ fn auto_counts_grpo_s_generation_and_its_reference_copy() {
             "module_replace,amp_native,half,fp8,offload",
             "--dry-run-steps",
             "1",
+            "--confirm-runs",
+            "0",
             "--device-memory",
             &budget.to_string(),
             "--search-report",

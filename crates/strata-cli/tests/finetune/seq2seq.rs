@@ -272,6 +272,8 @@ fn auto_picks_a_strategy_for_t5_and_bert_within_a_memory_budget() {
                 "1",
                 "--strategy",
                 "auto",
+                "--confirm-runs",
+                "0",
                 "--search-report",
                 s(&report),
             ];

@@ -16,9 +16,10 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 const MODEL: [&str; 12] =
     ["--model", "gpt", "--layers", "4", "--heads", "4", "--dim", "128", "--ctx", "64", "--seed", "1"];
-/// One warm-up and one timed step per dry run: these tests check what the search decides
-/// from memory and failures, not which close speeds win.
-const DRY_RUN: [&str; 2] = ["--dry-run-steps", "1"];
+/// One warm-up and one timed step per dry run, and no re-measurement of close finalists:
+/// these tests check what the search decides from memory and failures, not which close
+/// speeds win.
+const DRY_RUN: [&str; 4] = ["--dry-run-steps", "1", "--confirm-runs", "0"];
 const RUN: [&str; 10] =
     ["--batch-size", "8", "--threads", "1", "--steps", "1", "--schedule", "constant", "--log-every", "1000"];
 
@@ -178,6 +179,8 @@ fn four_ranks_where_only_a_pipeline_fits_train_on_stages() {
         report.to_str().unwrap(),
         "--dry-run-steps",
         "1",
+        "--confirm-runs",
+        "0",
         // A rank that stalls in a dry run without failing holds the others this long.
         "--comm-timeout",
         "30",
@@ -206,10 +209,6 @@ fn four_ranks_where_only_a_pipeline_fits_train_on_stages() {
     assert!(ran >= 1 && 2 * by_estimate > runnable, "{by_estimate} of {runnable} pruned by the estimate: {report}");
 }
 
-/// Where no candidate fits full fine-tuning within the budgets (8 MB of device, 2 MB of
-/// host memory for a model whose fp32 parameters alone are 3.4 MB), the search tries again
-/// training LoRA adapters given by `--auto-lora`, picks a plan that fits, and the run trains
-/// with it; without `--auto-lora` the same search fails in one line.
 /// A dry run that fails on one rank alone (an error injected into rank 1's backward, as an
 /// out-of-memory stage would raise) fails on the other at once with rank 1's reason, not at
 /// the communication timeout (ten minutes here); the search goes on and the run trains.
@@ -242,6 +241,10 @@ fn a_dry_run_failing_on_one_rank_fails_on_the_others_with_its_reason() {
     assert!(reason.contains("injected failure at backward of step 2"), "{reason}");
 }
 
+/// Where no candidate fits full fine-tuning within the budgets (8 MB of device, 2 MB of
+/// host memory for a model whose fp32 parameters alone are 3.4 MB), the search tries again
+/// training LoRA adapters given by `--auto-lora`, picks a plan that fits, and the run trains
+/// with it; without `--auto-lora` the same search fails in one line.
 #[test]
 fn lora_is_chosen_where_full_fine_tuning_fits_no_candidate() {
     let _serial = serial();

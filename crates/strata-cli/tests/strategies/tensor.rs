@@ -233,7 +233,8 @@ fn the_automatic_search_runs_tensor_sizes() {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("search.json");
     let metrics = dir.path().join("m.jsonl");
-    let args = ["--nproc", "2", "--steps", "2", "--strategy", "auto", "--included", "tensor_parallel"];
+    let args =
+        ["--nproc", "2", "--steps", "2", "--strategy", "auto", "--included", "tensor_parallel", "--confirm-runs", "0"];
     let files = ["--search-report", report.to_str().unwrap(), "--metrics", metrics.to_str().unwrap()];
     let o = strata(&[&["train"][..], &GPT, &RUN, &args, &files].concat());
     assert!(o.status.success(), "{}", stderr(&o));

@@ -31,15 +31,30 @@ fn seconds_per_call(mut work: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(start.elapsed().as_secs_f64() / f64::from(calls))
 }
 
-/// FLOP/s of `[tokens, width] × [width, 4·width]` products in `kind` on the CPU.
+/// Rows of the first, small product [`product_flops`] times.
+const PROBE_ROWS: i64 = 16;
+
+/// FLOP/s of `[tokens, width] × [width, 4·width]` products in `kind` on the CPU. A product
+/// of [`PROBE_ROWS`] rows is timed first: where it says the full one would outlast
+/// [`SPAN`] (bf16 on a CPU without bf16 units, whose loops run at one rate whatever the
+/// rows), its rate stands, and the search does not wait seconds for a figure it already has.
 fn product_flops(tokens: i64, width: i64, kind: Kind) -> Result<f64> {
-    let opts = (kind, Device::Cpu);
-    let (a, b) = (Tensor::f_randn([tokens, width], opts)?, Tensor::f_randn([width, 4 * width], opts)?);
-    let seconds = seconds_per_call(|| {
-        let _product = a.f_matmul(&b)?;
-        Ok(())
-    })?;
-    Ok(2.0 * (tokens * width * 4 * width) as f64 / seconds)
+    let rate = |rows: i64| -> Result<f64> {
+        let opts = (kind, Device::Cpu);
+        let (a, b) = (Tensor::f_randn([rows, width], opts)?, Tensor::f_randn([width, 4 * width], opts)?);
+        let seconds = seconds_per_call(|| {
+            let _product = a.f_matmul(&b)?;
+            Ok(())
+        })?;
+        Ok(2.0 * (rows * width * 4 * width) as f64 / seconds)
+    };
+    let probe = tokens.min(PROBE_ROWS);
+    let probed = rate(probe)?;
+    let full_seconds = 2.0 * (tokens * width * 4 * width) as f64 / probed;
+    if probe == tokens || full_seconds > SPAN.as_secs_f64() {
+        return Ok(probed);
+    }
+    rate(tokens)
 }
 
 /// The CPU as a device, its products measured at `tokens` rows of `width` features (the

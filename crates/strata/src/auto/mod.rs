@@ -57,6 +57,9 @@ pub struct AutoOptions {
     pub search: SearchMode,
     /// Timed steps per dry run (after one warm-up step).
     pub dry_run_steps: usize,
+    /// Dry runs more of each finalist within 15% of the fastest, to settle a close call
+    /// (0: one measurement decides).
+    pub confirm_runs: usize,
     /// Low-rank adapters to train where full fine-tuning fits no candidate: the search then
     /// runs again over the same candidates with every parameter but the adapters frozen,
     /// and the strategy it finds gains this `lora` method.
@@ -77,6 +80,7 @@ impl Default for AutoOptions {
             find_unused_parameters: false,
             search: SearchMode::Guided,
             dry_run_steps: 3,
+            confirm_runs: 2,
             lora: None,
         }
     }
@@ -561,6 +565,7 @@ fn search_with(job: &AutoAccelerate<'_>, steps: usize, pass: &Pass<'_>) -> Resul
         world: b.world_size(),
         budget: job.engine.device_budget,
         time_limit: o.time_limit,
+        confirm_runs: o.confirm_runs,
     };
     let mut predictor = predictor(job, &b, &analysis)?;
     let mut measure = &b;

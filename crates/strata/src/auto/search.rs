@@ -229,6 +229,10 @@ pub struct SearchLimits {
     pub budget: Option<u64>,
     /// Time for the whole search; checked before every dry run.
     pub time_limit: Option<Duration>,
+    /// Dry runs more of each close finalist (see [`AutoOptions::confirm_runs`]).
+    ///
+    /// [`AutoOptions::confirm_runs`]: super::AutoOptions::confirm_runs
+    pub confirm_runs: usize,
 }
 
 /// The searched dimensions, as indices into [`coordinates`].
@@ -367,8 +371,8 @@ impl<'m> Search<'m> {
         }
     }
 
-    /// The three fastest that lie within 15% of the best are measured twice more each,
-    /// alternating, and keep the mean of their runs: a single dry run on a busy machine does
+    /// The three fastest that lie within 15% of the best are measured `confirm_runs` times
+    /// more each, alternating, and keep the mean of their runs: a single dry run on a busy machine does
     /// not decide a close call. A re-measurement that does not fit takes the candidate out.
     fn confirm_finalists(&mut self) -> Result<()> {
         let top = self.fastest(3);
@@ -379,7 +383,7 @@ impl<'m> Search<'m> {
             return Ok(());
         }
         let mut runs: Vec<Vec<f64>> = close.iter().map(|&i| self.fitting_speed(i).into_iter().collect()).collect();
-        'rounds: for _ in 0..2 {
+        'rounds: for _ in 0..self.limits.confirm_runs {
             for (k, &i) in close.iter().enumerate().rev() {
                 if self.fitting_speed(i).is_none() {
                     continue; // a re-measurement found it no longer fits

@@ -144,7 +144,8 @@ fn the_memory_estimate_orders_the_methods_as_zero_does() {
 }
 
 fn limits(world: usize, budget: Option<u64>, time_limit: Option<f64>) -> SearchLimits {
-    SearchLimits { device: Device::Cpu, world, budget, time_limit: time_limit.map(Duration::from_secs_f64) }
+    let time_limit = time_limit.map(Duration::from_secs_f64);
+    SearchLimits { device: Device::Cpu, world, budget, time_limit, confirm_runs: 2 }
 }
 
 /// Runs the search; its report and the labels dry-run in order.
