@@ -22,6 +22,8 @@ mod bench_search;
 mod bench_step;
 mod bench_tokenize;
 mod bench_zero;
+#[cfg(test)]
+mod cli_docs;
 mod estimate_cmd;
 mod infer;
 mod launch;

@@ -374,10 +374,9 @@ fn the_cuda_kernels_compile_for_every_dtype_without_a_device() {
         );
         return;
     }
-    // Hopper and Blackwell; NVRTC needs no GPU to compile for them.
-    for arch in ["sm_90", "sm_100"] {
-        cuda::compile_kernels(arch).unwrap();
-    }
+    // Hopper; NVRTC needs no GPU to compile for it. The sources branch on no architecture,
+    // so one compiles them all (each architecture costs some 20 s on two cores).
+    cuda::compile_kernels("sm_90").unwrap();
     let err = cuda::compile_kernels("sm_1").unwrap_err();
     assert!(err.0.contains("NVRTC"), "{err}");
 }
