@@ -1,7 +1,6 @@
 //! The environment page names every variable the code reads, and the troubleshooting page
 //! quotes only messages the code still says. (That the command-line page names every command
 //! and flag exactly is checked against the parser itself, in the binary's own tests.)
-use crate::common;
 use std::collections::BTreeSet;
 
 /// Every source file of the workspace's crates.
