@@ -154,6 +154,10 @@ impl Trial {
     }
 }
 
+/// The share of the fastest measured speed below which a precision's leader gets no
+/// alternatives of its own.
+const LEADER_FLOOR: f64 = 0.5;
+
 /// A measurement against its prediction (`predicted` 0: none).
 fn against(measured: f64, predicted: f64) -> String {
     match predicted > 0.0 {
@@ -414,10 +418,15 @@ impl<'m> Search<'m> {
     /// The fastest measured candidate that fits of each precision, fastest first. Precision
     /// interacts with every other dimension (the best sharding of bf16 parameters is not
     /// always fp32's), so each precision's leader gets the alternatives of each dimension,
-    /// not only the overall fastest.
+    /// not only the overall fastest; but not a leader measured at under [`LEADER_FLOOR`] of
+    /// the fastest (bf16 on a CPU without bf16 units): no other dimension makes up that much.
     fn precision_leaders(&self) -> Vec<usize> {
         let mut leaders: Vec<usize> = Vec::new();
+        let floor = self.best().and_then(|b| self.fitting_speed(b)).unwrap_or(0.0) * LEADER_FLOOR;
         for i in self.fastest(self.trials.len()) {
+            if self.fitting_speed(i).is_some_and(|s| s < floor) {
+                break;
+            }
             if leaders.iter().all(|&l| self.cands[l].candidate.precision != self.cands[i].candidate.precision) {
                 leaders.push(i);
             }

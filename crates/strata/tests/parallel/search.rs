@@ -611,3 +611,22 @@ fn where_only_expert_groups_fit_a_mixture_of_experts_the_search_finds_the_best_o
     assert_eq!(report.chosen.as_deref(), Some(expected.as_str()));
     assert!(3 * table.runs.len() <= runnable.len(), "{} dry runs of {}", table.runs.len(), runnable.len());
 }
+
+/// bf16 on a CPU without bf16 units: every bf16 layout a fifth of its fp32 twin's speed.
+fn slow_bf16(l: &Layout) -> Cost {
+    let precision = if l.candidate.precision == Precision::Fp32 { 1.0 } else { 0.2 };
+    Cost::Runs { tokens_per_s: precision * trap_speed(&l.candidate), peak_bytes: 1 }
+}
+
+/// A precision measured at a fifth of the fastest gets no alternatives of its own: the
+/// search dry-runs its layouts only as the precision pass visits them from the fp32 leader
+/// (a few), and still chooses the table's best.
+#[test]
+fn a_precision_far_slower_than_the_fastest_is_not_explored() {
+    let cands = runnable();
+    let mut table = Table::new(&slow_bf16);
+    let report = run(&mut table, limits(2, None, None), SearchMode::Guided);
+    assert_eq!(report.chosen.as_deref(), Some(table_best(&slow_bf16, &cands, None).as_str()));
+    let bf16: std::collections::BTreeSet<&String> = table.runs.iter().filter(|l| l.contains("bf16")).collect();
+    assert!(bf16.len() <= 4, "bf16 layouts explored: {bf16:?}");
+}
