@@ -363,6 +363,7 @@ fn options_that_would_do_nothing_are_refused_by_name() {
         (&["--excluded", "fp8"], "--excluded shapes the automatic search"),
         (&["--time-limit", "5"], "--time-limit shapes"),
         (&["--search", "exhaustive"], "--search shapes"),
+        (&["--confirm-runs", "0"], "--confirm-runs shapes"),
         (&["--dry-run-steps", "2"], "--dry-run-steps needs dry runs"),
         (&["--search-report", "r.json"], "--search-report needs dry runs"),
         (&["--strategy", "auto", "--finetune-strategy", "true"], "--strategy auto searches"),

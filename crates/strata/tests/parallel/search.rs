@@ -630,3 +630,20 @@ fn a_precision_far_slower_than_the_fastest_is_not_explored() {
     let bf16: std::collections::BTreeSet<&String> = table.runs.iter().filter(|l| l.contains("bf16")).collect();
     assert!(bf16.len() <= 4, "bf16 layouts explored: {bf16:?}");
 }
+
+/// The close finalists are dry-run again as often as `confirm_runs` says: twice more each
+/// by default, never with 0, and the choice is the same.
+#[test]
+fn confirming_runs_re_measure_the_close_finalists_as_often_as_asked() {
+    let dry_runs = |confirm_runs: usize| {
+        let mut table = Table::new(&trap);
+        let report = run(&mut table, SearchLimits { confirm_runs, ..limits(2, None, None) }, SearchMode::Guided);
+        let explored = table.runs.iter().collect::<std::collections::BTreeSet<_>>().len();
+        (report.chosen, explored, table.runs.len())
+    };
+    let (twice, explored, runs) = dry_runs(2);
+    assert!(runs >= explored + 2, "{runs} dry runs of {explored} candidates");
+    let (never, explored, runs) = dry_runs(0);
+    assert_eq!(runs, explored, "each candidate once");
+    assert_eq!(twice, never);
+}
