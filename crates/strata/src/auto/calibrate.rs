@@ -39,6 +39,7 @@ const PROBE_ROWS: i64 = 16;
 /// [`SPAN`] (bf16 on a CPU without bf16 units, whose loops run at one rate whatever the
 /// rows), its rate stands, and the search does not wait seconds for a figure it already has.
 fn product_flops(tokens: i64, width: i64, kind: Kind) -> Result<f64> {
+    let flops = |rows: i64| 2.0 * (rows * width * 4 * width) as f64;
     let rate = |rows: i64| -> Result<f64> {
         let opts = (kind, Device::Cpu);
         let (a, b) = (Tensor::f_randn([rows, width], opts)?, Tensor::f_randn([width, 4 * width], opts)?);
@@ -46,12 +47,11 @@ fn product_flops(tokens: i64, width: i64, kind: Kind) -> Result<f64> {
             let _product = a.f_matmul(&b)?;
             Ok(())
         })?;
-        Ok(2.0 * (rows * width * 4 * width) as f64 / seconds)
+        Ok(flops(rows) / seconds)
     };
     let probe = tokens.min(PROBE_ROWS);
     let probed = rate(probe)?;
-    let full_seconds = 2.0 * (tokens * width * 4 * width) as f64 / probed;
-    if probe == tokens || full_seconds > SPAN.as_secs_f64() {
+    if probe == tokens || flops(tokens) / probed > SPAN.as_secs_f64() {
         return Ok(probed);
     }
     rate(tokens)

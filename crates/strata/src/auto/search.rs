@@ -422,8 +422,9 @@ impl<'m> Search<'m> {
     /// the fastest (bf16 on a CPU without bf16 units): no other dimension makes up that much.
     fn precision_leaders(&self) -> Vec<usize> {
         let mut leaders: Vec<usize> = Vec::new();
-        let floor = self.best().and_then(|b| self.fitting_speed(b)).unwrap_or(0.0) * LEADER_FLOOR;
-        for i in self.fastest(self.trials.len()) {
+        let fastest = self.fastest(self.trials.len());
+        let floor = fastest.first().and_then(|&b| self.fitting_speed(b)).unwrap_or(0.0) * LEADER_FLOOR;
+        for i in fastest {
             if self.fitting_speed(i).is_some_and(|s| s < floor) {
                 break;
             }
