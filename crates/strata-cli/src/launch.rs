@@ -3,13 +3,21 @@
 //! again while restarts remain (`--max-restarts`). It owns the node's folder of checkpoint
 //! snapshots in host memory (`STRATA_SNAPSHOT_DIR`): it outlives every round of ranks, so
 //! restarted ranks resume from memory, and goes when the launcher ends.
+//!
+//! A rank that runs this same binary is a fork of the launcher that runs its command in
+//! place, when the launcher may fork safely (see [`can_fork_in_place`]): it skips loading
+//! and initializing libtorch again, about half a second of CPU and 500 MB of page faults
+//! per rank. Any other command runs as a fresh process.
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use std::ffi::OsString;
+use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -130,11 +138,150 @@ fn relay(source: impl Read + Send + 'static, rank: usize, how: Relay) -> std::th
     })
 }
 
-/// Signals a rank's whole process group (each rank leads its own), so whatever the rank
-/// started goes too and no pipe stays open behind it.
-fn signal(child: &Child, sig: i32) {
-    // SAFETY: sending a signal to the process group our own child leads.
-    unsafe { libc::kill(-(child.id() as i32), sig) };
+/// One started rank: its process, which leads a process group of its own, and how it
+/// ended once reaped.
+struct RankProcess {
+    rank: usize,
+    pid: libc::pid_t,
+    ended: Option<ExitStatus>,
+}
+
+impl RankProcess {
+    /// How the rank ended, or `None` while it runs.
+    fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        if self.ended.is_none() {
+            let mut status = 0;
+            // SAFETY: waits, without blocking, for our own child.
+            match unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) } {
+                0 => {}
+                -1 => return Err(std::io::Error::last_os_error()).context("cannot wait for a rank"),
+                _ => self.ended = Some(ExitStatus::from_raw(status)),
+            }
+        }
+        Ok(self.ended)
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.try_wait(), Ok(None))
+    }
+
+    /// Waits until the rank has ended.
+    fn wait(&mut self) {
+        while self.ended.is_none() {
+            let mut status = 0;
+            // SAFETY: waits for our own child.
+            match unsafe { libc::waitpid(self.pid, &mut status, 0) } {
+                -1 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+                -1 => return,
+                _ => self.ended = Some(ExitStatus::from_raw(status)),
+            }
+        }
+    }
+
+    /// Signals the rank's whole process group, so whatever the rank started goes too and
+    /// no pipe stays open behind it.
+    fn signal(&self, sig: i32) {
+        // SAFETY: sending a signal to the process group our own child leads.
+        unsafe { libc::kill(-self.pid, sig) };
+    }
+}
+
+/// Whether a rank running `program` may be a fork of this process that runs the command
+/// in place, instead of a fresh process: `program` must be this binary, and this process
+/// single-threaded (a fork copies the calling thread alone, so a lock another thread held
+/// would stay held in the child) without a GPU driver loaded (CUDA cannot be used in a
+/// process forked after its driver started).
+fn can_fork_in_place(program: &str) -> bool {
+    let this = std::env::current_exe().and_then(std::fs::canonicalize);
+    let same = matches!((std::fs::canonicalize(program), this), (Ok(a), Ok(b)) if a == b);
+    let single_threaded = std::fs::read_dir("/proc/self/task").is_ok_and(|tasks| tasks.count() == 1);
+    let gpu_driver = std::fs::read_to_string("/proc/self/maps").map_or(true, |maps| maps.contains("libcuda.so"));
+    same && single_threaded && !gpu_driver
+}
+
+/// A pipe whose ends close on exec: the end to read, the end to write.
+fn pipe() -> Result<(File, OwnedFd)> {
+    let mut fds: [RawFd; 2] = [0; 2];
+    // SAFETY: pipe2 fills `fds` with two new descriptors on success.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("cannot create a pipe for a rank");
+    }
+    // SAFETY: both descriptors are new and owned by nothing else.
+    Ok(unsafe { (File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Starts `command` with the variables `env` added, in a process group of its own, its
+/// standard output and error piped to us: as a fork of this process when `in_place`
+/// ([`can_fork_in_place`]), closing there the descriptors in `ours` (the other ranks'
+/// pipes), otherwise as a fresh process. The rank, and the pipes' ends to read its
+/// standard output and error from.
+fn start_rank(
+    rank: usize,
+    command: &[String],
+    env: &[(&str, OsString)],
+    in_place: bool,
+    ours: &[RawFd],
+) -> Result<(RankProcess, File, File)> {
+    let (program, args) = command.split_first().context("no command to launch")?;
+    if !in_place {
+        let mut child = Command::new(program)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("cannot start {program:?} for rank {rank}"))?;
+        let out = child.stdout.take().context("a rank's standard output is not piped")?;
+        let err = child.stderr.take().context("a rank's standard error is not piped")?;
+        let process = RankProcess { rank, pid: child.id() as libc::pid_t, ended: None };
+        tracing::debug!(rank, pid = process.pid, "rank started as a fresh process");
+        return Ok((process, File::from(OwnedFd::from(out)), File::from(OwnedFd::from(err))));
+    }
+    let (out, out_end) = pipe()?;
+    let (err, err_end) = pipe()?;
+    // What we buffered would otherwise be written twice, by us and by the child.
+    let _ = std::io::stdout().flush();
+    // SAFETY: this process is single-threaded (`can_fork_in_place`); the child never returns
+    // from `run_forked_rank`.
+    match unsafe { libc::fork() } {
+        -1 => Err(std::io::Error::last_os_error()).with_context(|| format!("cannot start rank {rank}")),
+        0 => {
+            let close: Vec<RawFd> =
+                [out.as_raw_fd(), err.as_raw_fd()].into_iter().chain(ours.iter().copied()).collect();
+            run_forked_rank(command, env, out_end.as_raw_fd(), err_end.as_raw_fd(), &close)
+        }
+        pid => {
+            // Both sides set the group, so that it exists before either goes on.
+            // SAFETY: `pid` is our child, not yet past an exec.
+            unsafe { libc::setpgid(pid, pid) };
+            tracing::debug!(rank, pid, "rank started as a fork of the launcher");
+            Ok((RankProcess { rank, pid, ended: None }, out, err))
+        }
+    }
+}
+
+/// The forked rank: its standard output and error into `out` and `err`, a process group
+/// of its own, the signal dispositions a fresh process has, the launcher's descriptors in
+/// `close` closed and `env` added; then the command, and an exit with its status. It
+/// never returns into the launcher's frames (and so never drops what they hold).
+fn run_forked_rank(command: &[String], env: &[(&str, OsString)], out: RawFd, err: RawFd, close: &[RawFd]) -> ! {
+    // SAFETY: a single-threaded child setting up its own group, signals and descriptors.
+    unsafe {
+        libc::setpgid(0, 0);
+        libc::signal(libc::SIGINT, libc::SIG_DFL);
+        libc::signal(libc::SIGTERM, libc::SIG_DFL);
+        libc::dup2(out, libc::STDOUT_FILENO);
+        libc::dup2(err, libc::STDERR_FILENO);
+        for &fd in close.iter().chain([out, err].iter()) {
+            libc::close(fd);
+        }
+    }
+    for (key, value) in env {
+        std::env::set_var(key, value);
+    }
+    let status = std::panic::catch_unwind(|| crate::run_in_forked_process(command)).unwrap_or(101);
+    std::process::exit(i32::from(status))
 }
 
 /// A SIGINT or SIGTERM sent to the launcher, to be passed on to the ranks.
@@ -240,49 +387,50 @@ fn round(
     errors: Option<Errors>,
 ) -> Result<Round> {
     let world = a.nproc_per_node * a.nnodes;
-    let (program, args) = a.command.split_first().context("no command to launch")?;
-    let mut children: Vec<(usize, Child)> = Vec::new();
-    let mut relays = Vec::new();
+    // Every rank is started before the relays' threads are, so that the process is still
+    // single-threaded at each fork.
+    let in_place = a.command.first().is_some_and(|program| can_fork_in_place(program));
+    let mut children: Vec<RankProcess> = Vec::new();
+    let mut pipes: Vec<(File, File)> = Vec::new();
     for local in 0..a.nproc_per_node {
         let rank = a.node_rank * a.nproc_per_node + local;
-        let spawned = Command::new(program)
-            .args(args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
-            .env("GROUP_RANK", a.node_rank.to_string())
-            .env("MASTER_ADDR", &a.master_addr)
-            .env("MASTER_PORT", port.to_string())
-            .env("STRATA_STORE_TOKEN", token)
-            .env("STRATA_SNAPSHOT_DIR", snapshots)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                children.iter().for_each(|(_, c)| signal(c, libc::SIGKILL));
-                bail!("cannot start {program:?} for rank {rank}: {e}");
+        let env: [(&str, OsString); 9] = [
+            ("RANK", rank.to_string().into()),
+            ("WORLD_SIZE", world.to_string().into()),
+            ("LOCAL_RANK", local.to_string().into()),
+            ("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string().into()),
+            ("GROUP_RANK", a.node_rank.to_string().into()),
+            ("MASTER_ADDR", a.master_addr.clone().into()),
+            ("MASTER_PORT", port.to_string().into()),
+            ("STRATA_STORE_TOKEN", token.into()),
+            ("STRATA_SNAPSHOT_DIR", snapshots.into()),
+        ];
+        let ours: Vec<RawFd> = pipes.iter().flat_map(|(out, err)| [out.as_raw_fd(), err.as_raw_fd()]).collect();
+        match start_rank(rank, &a.command, &env, in_place, &ours) {
+            Ok((process, out, err)) => {
+                children.push(process);
+                pipes.push((out, err));
             }
+            Err(e) => {
+                children.iter().for_each(|c| c.signal(libc::SIGKILL));
+                children.iter_mut().for_each(RankProcess::wait);
+                return Err(e);
+            }
+        }
+    }
+    let mut relays = Vec::new();
+    for (child, (out, err)) in children.iter().zip(pipes) {
+        let how = match a.stdout_of {
+            None => Relay::Prefixed { to_stderr: false },
+            Some(r) if r == child.rank => Relay::Raw,
+            Some(_) => Relay::Dropped,
         };
-        if let Some(out) = child.stdout.take() {
-            let how = match a.stdout_of {
-                None => Relay::Prefixed { to_stderr: false },
-                Some(r) if r == rank => Relay::Raw,
-                Some(_) => Relay::Dropped,
-            };
-            relays.push(relay(out, rank, how));
-        }
-        if let Some(err) = child.stderr.take() {
-            let how = match &errors {
-                Some(list) => Relay::ErrorsApart(Arc::clone(list)),
-                None => Relay::Prefixed { to_stderr: true },
-            };
-            relays.push(relay(err, rank, how));
-        }
-        children.push((rank, child));
+        relays.push(relay(out, child.rank, how));
+        let how = match &errors {
+            Some(list) => Relay::ErrorsApart(Arc::clone(list)),
+            None => Relay::Prefixed { to_stderr: true },
+        };
+        relays.push(relay(err, child.rank, how));
     }
     let mut failure: Option<(usize, ExitStatus)> = None;
     let mut running = children.len();
@@ -292,10 +440,10 @@ fn round(
         }
         std::thread::sleep(Duration::from_millis(20));
         running = 0;
-        for (rank, child) in &mut children {
+        for child in &mut children {
             match child.try_wait()? {
                 Some(status) if !status.success() => {
-                    failure.get_or_insert((*rank, status));
+                    failure.get_or_insert((child.rank, status));
                 }
                 Some(_) => {}
                 None => running += 1,
@@ -307,21 +455,19 @@ fn round(
         // Ranks that fail alike (a file none can read) fail within moments of each other:
         // give them a moment to say so themselves before stopping them.
         let settle = Instant::now() + SETTLE;
-        while Instant::now() < settle && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+        while Instant::now() < settle && children.iter_mut().any(RankProcess::running) {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
     if failure.is_some() || interrupted != 0 {
         // Ask the others to stop, then make sure they do.
-        children.iter().for_each(|(_, c)| signal(c, libc::SIGTERM));
+        children.iter().for_each(|c| c.signal(libc::SIGTERM));
         let deadline = Instant::now() + grace;
-        while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+        while Instant::now() < deadline && children.iter_mut().any(RankProcess::running) {
             std::thread::sleep(Duration::from_millis(20));
         }
-        children.iter().for_each(|(_, c)| signal(c, libc::SIGKILL));
-        children.iter_mut().for_each(|(_, c)| {
-            let _ = c.wait();
-        });
+        children.iter().for_each(|c| c.signal(libc::SIGKILL));
+        children.iter_mut().for_each(RankProcess::wait);
     }
     relays.into_iter().for_each(|r| {
         let _ = r.join();

@@ -261,18 +261,9 @@ fn keep_freed_heap_memory() {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match parse(std::env::args_os()) {
         Ok(cli) => cli,
-        Err(e) if e.use_stderr() => {
-            // One line: clap's first line names the problem; the usage is one --help away.
-            let text = e.render().to_string();
-            eprintln!("{} (see --help)", text.lines().next().unwrap_or("invalid arguments"));
-            return ExitCode::from(2);
-        }
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
+        Err(status) => return ExitCode::from(status),
     };
     keep_freed_heap_memory();
     tracing_subscriber::fmt()
@@ -280,6 +271,35 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    ExitCode::from(run(cli))
+}
+
+/// The command line `args` (the program first) parsed, or the exit status once clap has
+/// said why not in one line (or printed the help or version asked for).
+fn parse<T: Into<std::ffi::OsString> + Clone>(args: impl IntoIterator<Item = T>) -> Result<Cli, u8> {
+    match Cli::try_parse_from(args) {
+        Ok(cli) => Ok(cli),
+        Err(e) if e.use_stderr() => {
+            // One line: clap's first line names the problem; the usage is one --help away.
+            let text = e.render().to_string();
+            eprintln!("{} (see --help)", text.lines().next().unwrap_or("invalid arguments"));
+            Err(2)
+        }
+        Err(e) => {
+            let _ = e.print();
+            Err(0)
+        }
+    }
+}
+
+/// Runs `args` (the program first) as a fresh `strata` process would: the entry of a rank
+/// that the launcher forked from itself, where `main`'s set-up is already done.
+fn run_in_forked_process(args: &[String]) -> u8 {
+    parse(args).map_or_else(|status| status, run)
+}
+
+/// Runs the command; the process's exit status, after an error is said in one line.
+fn run(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Train(o) => o.resolve().and_then(|settings| match settings.nproc {
             // Not yet one of the ranks: start them.
@@ -316,10 +336,10 @@ fn main() -> ExitCode {
         Command::Strategy { which: StrategyCommand::Validate { strategy, world } } => validate(&strategy, &world),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            1
         }
     }
 }

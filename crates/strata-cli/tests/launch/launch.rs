@@ -1,6 +1,6 @@
 //! `strata launch` and `strata bench comm` end to end.
 
-use crate::common::{strata, weight_gap};
+use crate::common::{strata, strata_env, weight_gap};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -20,6 +20,20 @@ fn ranks_get_torchrun_variables_and_prefixed_output() {
         let line = format!("[rank {r}] R={r} W=3 L={r} LW=3 A=127.0.0.1 P=set T=32");
         assert!(stdout.lines().any(|l| l == line), "missing {line:?} in\n{stdout}");
         assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("[rank {r}] to-stderr")));
+    }
+}
+
+#[test]
+fn ranks_running_strata_are_forks_of_the_launcher_and_other_commands_fresh_processes() {
+    let debug = [("STRATA_LOG", "strata::launch=debug")];
+    let tiny =
+        ["train", "--model", "gpt", "--layers", "1", "--heads", "2", "--dim", "16", "--ctx", "8", "--steps", "1"];
+    let forked = strata_env(&[&tiny[..], &["--nproc", "2"]].concat(), &debug);
+    let fresh = strata_env(&["launch", "--nproc-per-node", "2", "--", "sh", "-c", "true"], &debug);
+    for (out, way) in [(&forked, "a fork of the launcher"), (&fresh, "a fresh process")] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert_eq!(err.matches(&format!("rank started as {way}")).count(), 2, "{err}");
     }
 }
 
