@@ -310,9 +310,10 @@ fn gloo_times(a: &BenchCommArgs, n: usize) -> Result<Vec<(String, usize, f64)>> 
         .collect()
 }
 
-pub fn run(a: BenchCommArgs) -> Result<()> {
+/// Runs the benchmark, parsed from `command_line`.
+pub fn run(a: BenchCommArgs, command_line: &[std::ffi::OsString]) -> Result<()> {
     if let Some(n) = a.nproc {
-        return crate::launch::relaunch_self(n, "--nproc", Some(0));
+        return crate::launch::relaunch_self(command_line, n, "--nproc", Some(0));
     }
     if a.min_bytes == 0 || a.factor < 2 || a.min_bytes > a.max_bytes {
         bail!("sizes must satisfy 0 < --min-bytes <= --max-bytes and --factor >= 2");

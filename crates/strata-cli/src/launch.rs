@@ -195,8 +195,7 @@ fn can_fork_in_place(program: &str) -> bool {
     let this = std::env::current_exe().and_then(std::fs::canonicalize);
     let same = matches!((std::fs::canonicalize(program), this), (Ok(a), Ok(b)) if a == b);
     let single_threaded = std::fs::read_dir("/proc/self/task").is_ok_and(|tasks| tasks.count() == 1);
-    let gpu_driver = std::fs::read_to_string("/proc/self/maps").map_or(true, |maps| maps.contains("libcuda.so"));
-    same && single_threaded && !gpu_driver
+    same && single_threaded && !crate::gpu_driver_loaded()
 }
 
 /// A pipe whose ends close on exec: the end to read, the end to write.
@@ -281,7 +280,7 @@ fn run_forked_rank(command: &[String], env: &[(&str, OsString)], out: RawFd, err
         std::env::set_var(key, value);
     }
     let status = std::panic::catch_unwind(|| crate::run_in_forked_process(command)).unwrap_or(101);
-    std::process::exit(i32::from(status))
+    crate::end_process(status)
 }
 
 /// A SIGINT or SIGTERM sent to the launcher, to be passed on to the ranks.
@@ -479,22 +478,24 @@ fn round(
     })
 }
 
-/// Runs this same command again as `n` local ranks started from this process (as
-/// `strata launch` starts them), leaving out the option `flag` (and its value) that asked
-/// for it; with `stdout_of`, only that rank's standard output is shown, as it printed it.
-/// Ranks that all fail alike (a file none can read) give one error, said once.
-pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<()> {
+/// Runs this process's command line, `command_line`, again as `n` local ranks started from
+/// this process (as `strata launch` starts them), leaving out the option `flag` (and its
+/// value) that asked for it; with `stdout_of`, only that rank's standard output is shown,
+/// as it printed it. Ranks that all fail alike (a file none can read) give one error, said
+/// once.
+pub fn relaunch_self(command_line: &[OsString], n: usize, flag: &str, stdout_of: Option<usize>) -> Result<()> {
     let exe = std::env::current_exe().context("cannot find the strata binary")?;
     let mut command = vec![exe.to_string_lossy().into_owned()];
     let mut skip = false;
-    for arg in std::env::args().skip(1) {
+    for arg in command_line.iter().skip(1) {
+        let arg = arg.to_str().with_context(|| format!("the argument {arg:?} is not UTF-8"))?;
         if std::mem::take(&mut skip) {
             continue;
         }
         if arg == flag {
             skip = true;
         } else if !arg.starts_with(&format!("{flag}=")) {
-            command.push(arg);
+            command.push(arg.to_string());
         }
     }
     let args = LaunchArgs {

@@ -25,6 +25,7 @@ mod bench_zero;
 #[cfg(test)]
 mod cli_docs;
 mod estimate_cmd;
+mod fork_server;
 mod infer;
 mod launch;
 mod options;
@@ -35,7 +36,8 @@ mod tokenize_cmd;
 mod train;
 
 use clap::{Parser, Subcommand};
-use std::process::ExitCode;
+use std::ffi::{OsStr, OsString};
+use std::io::Write;
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Train large neural networks fast and within memory")]
@@ -85,6 +87,10 @@ enum Command {
     },
     /// Draw training metrics (`strata train --metrics FILE`) of one or more runs, overlaid.
     Plot(profile_cmd::PlotArgs),
+    /// Run commands sent over a Unix socket, each in a copy of this process (for harnesses
+    /// that run many short commands).
+    #[command(hide = true)]
+    ForkServer(fork_server::ForkServerArgs),
 }
 
 #[derive(Subcommand)]
@@ -260,23 +266,60 @@ fn keep_freed_heap_memory() {
     }
 }
 
-fn main() -> ExitCode {
-    let cli = match parse(std::env::args_os()) {
-        Ok(cli) => cli,
-        Err(status) => return ExitCode::from(status),
+fn main() {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    end_process(start(&args))
+}
+
+/// Whether this process has loaded the CUDA driver (or cannot tell).
+fn gpu_driver_loaded() -> bool {
+    std::fs::read_to_string("/proc/self/maps").map_or(true, |maps| maps.contains("libcuda.so"))
+}
+
+/// Ends the process with `status`. Unless a GPU driver is loaded, without the exit
+/// handlers: libtorch's static destructors unregister every operator one by one (about
+/// 0.2 s of CPU here, two fifths of a short command's), and nothing of ours is left to them
+/// (files are closed and threads joined by the time a command returns; MPI is finalised
+/// and buffered output flushed here). With a GPU driver, the usual exit, so that CUDA's
+/// and NCCL's handlers run as they expect.
+fn end_process(status: u8) -> ! {
+    let _ = std::io::stdout().flush();
+    if gpu_driver_loaded() {
+        std::process::exit(i32::from(status));
+    }
+    strata::comm::finish_process();
+    // SAFETY: flushes C's buffered streams (C++'s are synchronised with them), then ends the
+    // process at once.
+    unsafe {
+        libc::fflush(std::ptr::null_mut());
+        libc::_exit(i32::from(status))
+    }
+}
+
+/// Runs the command line `args` (the program first) as a fresh process does: parsed, the
+/// heap and the log set up, then the command; the process's exit status.
+fn start<T: AsRef<OsStr>>(args: &[T]) -> u8 {
+    let args: Vec<OsString> = args.iter().map(|a| a.as_ref().to_owned()).collect();
+    let command = match parse(&args) {
+        Ok(cli) => cli.command,
+        Err(status) => return status,
     };
+    if let Command::ForkServer(a) = command {
+        // Before the log: each command the server forks sets up its own.
+        return report(fork_server::serve(a));
+    }
     keep_freed_heap_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    ExitCode::from(run(cli))
+    run(command, &args)
 }
 
 /// The command line `args` (the program first) parsed, or the exit status once clap has
 /// said why not in one line (or printed the help or version asked for).
-fn parse<T: Into<std::ffi::OsString> + Clone>(args: impl IntoIterator<Item = T>) -> Result<Cli, u8> {
+fn parse(args: &[OsString]) -> Result<Cli, u8> {
     match Cli::try_parse_from(args) {
         Ok(cli) => Ok(cli),
         Err(e) if e.use_stderr() => {
@@ -295,15 +338,16 @@ fn parse<T: Into<std::ffi::OsString> + Clone>(args: impl IntoIterator<Item = T>)
 /// Runs `args` (the program first) as a fresh `strata` process would: the entry of a rank
 /// that the launcher forked from itself, where `main`'s set-up is already done.
 fn run_in_forked_process(args: &[String]) -> u8 {
-    parse(args).map_or_else(|status| status, run)
+    let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+    parse(&args).map_or_else(|status| status, |cli| run(cli.command, &args))
 }
 
-/// Runs the command; the process's exit status, after an error is said in one line.
-fn run(cli: Cli) -> u8 {
-    let result = match cli.command {
+/// Runs `command`, parsed from `command_line`; the process's exit status.
+fn run(command: Command, command_line: &[OsString]) -> u8 {
+    report(match command {
         Command::Train(o) => o.resolve().and_then(|settings| match settings.nproc {
             // Not yet one of the ranks: start them.
-            n if n > 1 && std::env::var_os("RANK").is_none() => launch::relaunch_self(n, "--nproc", None),
+            n if n > 1 && std::env::var_os("RANK").is_none() => launch::relaunch_self(command_line, n, "--nproc", None),
             _ => train::run(settings),
         }),
         Command::Launch(a) => launch::run(a),
@@ -315,7 +359,7 @@ fn run(cli: Cli) -> u8 {
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Gpu(a) } => bench_gpu::run(a),
         Command::Bench { which: BenchCommand::Kernels(a) } => bench_kernels::run(a),
-        Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
+        Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a, command_line),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Bench { which: BenchCommand::Parallel(a) } => bench_parallel::run(a),
         Command::Bench { which: BenchCommand::Pipeline(a) } => bench_pipeline::run(a),
@@ -334,7 +378,12 @@ fn run(cli: Cli) -> u8 {
         Command::Plot(a) => profile_cmd::plot_metrics(a),
         Command::Strategy { which: StrategyCommand::Show { strategy, world } } => show(&strategy, &world),
         Command::Strategy { which: StrategyCommand::Validate { strategy, world } } => validate(&strategy, &world),
-    };
+        Command::ForkServer(a) => fork_server::serve(a),
+    })
+}
+
+/// The exit status of a command's result, after an error is said in one line.
+fn report(result: anyhow::Result<()>) -> u8 {
     match result {
         Ok(()) => 0,
         Err(e) => {

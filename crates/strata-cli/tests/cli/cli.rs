@@ -8,11 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 fn strata(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .env("STRATA_LOG", "warn")
-        .output()
-        .expect("the strata binary runs")
+    common::strata_env(args, &[("STRATA_LOG", "warn")])
 }
 
 fn repo() -> PathBuf {
@@ -625,4 +621,64 @@ fn bench_train_times_every_side_in_alternating_blocks_or_one_at_a_time() {
             assert!(sides[0].get("compiled_graphs").is_none());
         }
     }
+}
+
+#[test]
+fn the_fork_server_runs_commands_as_processes_of_their_own_and_ends_when_idle() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("socket");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["fork-server", "--idle", "2", "--socket"])
+        .arg(&socket)
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(start.elapsed().as_secs() < 60, "the server listens");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let (own, forked) = (dir.path().join("own"), dir.path().join("forked"));
+    std::fs::create_dir_all(&own).unwrap();
+    std::fs::create_dir_all(&forked).unwrap();
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let by_server = common::fork_server_run(&socket, &forked, args, env).expect("the server answers");
+        let by_process = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(args)
+            .current_dir(&own)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        (by_server, by_process)
+    };
+    // The same output, status and files (in the folder asked for).
+    let train = ["train", "--model", "mlp", "--layers", "1", "--dim", "8", "--ctx", "8", "--batch-size", "2"];
+    let saved = [&train[..], &["--steps", "2", "--save-weights", "w.st"]].concat();
+    for (args, env) in [
+        (&["strategy", "show", r#"["zero2"]"#, "--world-size", "4"][..], &[][..]),
+        (&["train", "--model", "nonsense"], &[]),
+        (&saved, &[("STRATA_LOG", "error")]),
+    ] {
+        let (by_server, by_process) = run(args, env);
+        assert_eq!(by_server.status.code(), by_process.status.code(), "{args:?}");
+        assert_eq!(by_server.stderr, by_process.stderr, "{args:?}");
+        if args[0] == "strategy" {
+            assert_eq!(by_server.stdout, by_process.stdout);
+        }
+    }
+    assert_eq!(common::weight_gap(&own.join("w.st"), &forked.join("w.st")), 0.0);
+    // Each command's own variables: its log, and a fault that kills it.
+    let steps = [&train[..], &["--steps", "2"]].concat();
+    let (logged, _) = run(&steps, &[("STRATA_LOG", "info")]);
+    assert!(common::stderr(&logged).contains("training"), "{}", common::stderr(&logged));
+    let (killed, by_process) = run(&steps, &[("STRATA_FAULT", "backward@1")]);
+    assert_eq!((killed.status.signal(), by_process.status.signal()), (Some(9), Some(9)));
+    // Idle past --idle, it ends by itself and removes its socket.
+    let start = std::time::Instant::now();
+    while server.try_wait().unwrap().is_none() {
+        assert!(start.elapsed().as_secs() < 60, "the idle server did not end");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(server.wait().unwrap().success());
+    assert!(!socket.exists());
 }

@@ -2,7 +2,6 @@
 //! a refusal writes no file.
 use proptest::prelude::*;
 use std::path::Path;
-use std::process::Command;
 
 /// Flags and values a user could type, odd ones included. Sizes stay small: a valid large
 /// model is not what this test is about.
@@ -112,12 +111,8 @@ proptest! {
         let dir = tempfile::tempdir().unwrap();
         let base = ["train", "--model", "mlp", "--layers", "1", "--dim", "8", "--ctx", "8", "--batch-size", "2", "--steps", "1"];
         let args: Vec<String> = base.iter().map(|s| s.to_string()).chain(options.concat()).collect();
-        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
-            .args(&args)
-            .current_dir(dir.path())
-            .env("STRATA_LOG", "error")
-            .output()
-            .unwrap();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = crate::common::strata_in(dir.path(), &args, &[("STRATA_LOG", "error")]);
         let err = String::from_utf8_lossy(&out.stderr);
         prop_assert!(!err.contains("panicked"), "{args:?}: {err}");
         if !out.status.success() {

@@ -1,8 +1,13 @@
 //! Helpers shared by the command-line tests.
 #![allow(dead_code)] // each test binary uses its own subset
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, ExitStatus, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The binary under test: `STRATA_BIN` where set (test binaries built on another machine,
 /// run beside a copy of the binary), else the one cargo built with them.
@@ -22,16 +27,91 @@ pub fn venv_python() -> Option<PathBuf> {
 }
 
 pub fn strata(args: &[&str]) -> Output {
-    Command::new(binary()).args(args).output().expect("the strata binary runs")
+    strata_env(args, &[])
 }
 
 pub fn strata_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    strata_in(&std::env::current_dir().expect("a working folder"), args, env)
+}
+
+/// The binary under test run in the folder `cwd` with `args`, the variables `env` added to
+/// ours: by this test binary's `strata fork-server` where it may, else as a process of its
+/// own.
+pub fn strata_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    if let Some(output) = run_forked(cwd, args, env) {
+        return output;
+    }
     let mut c = Command::new(binary());
-    c.args(args);
+    c.args(args).current_dir(cwd);
     for (k, v) in env {
         c.env(k, v);
     }
     c.output().expect("the strata binary runs")
+}
+
+/// The socket of a `strata fork-server` this test binary started (once), which ends when
+/// the test binary does; `None` if it could not start.
+fn fork_server() -> Option<&'static Path> {
+    static SOCKET: OnceLock<Option<PathBuf>> = OnceLock::new();
+    SOCKET
+        .get_or_init(|| {
+            let socket = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("fork-server-{}", std::process::id()));
+            let _ = std::fs::remove_file(&socket);
+            Command::new(binary())
+                .args(["fork-server", "--socket"])
+                .arg(&socket)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .spawn()
+                .ok()?;
+            let start = Instant::now();
+            while UnixStream::connect(&socket).is_err() {
+                if start.elapsed() > Duration::from_secs(60) {
+                    eprintln!("the fork server did not start: commands run as processes of their own");
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Some(socket)
+        })
+        .as_deref()
+}
+
+/// `strata args` run by the fork server, or `None`, before anything ran, where it cannot:
+/// a variable in `env` other than Strata's own may be one a library reads only when a
+/// process starts, which the server's copies read long before.
+fn run_forked(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Option<Output> {
+    if !env.iter().all(|(k, _)| k.starts_with("STRATA_")) {
+        return None;
+    }
+    fork_server_run(fork_server()?, cwd, args, env)
+}
+
+/// `strata args` run in `cwd` by the fork server listening on `socket`, with our variables
+/// and those of `env`; `None` if the server cannot be reached (nothing ran).
+pub fn fork_server_run(socket: &Path, cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Option<Output> {
+    let mut connection = UnixStream::connect(socket).ok()?;
+    let streams = tempfile::tempdir().expect("a temporary folder");
+    let (stdout, stderr) = (streams.path().join("stdout"), streams.path().join("stderr"));
+    let mut vars: BTreeMap<String, String> = std::env::vars().collect();
+    vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let command_line: Vec<String> = std::iter::once(binary()).chain(args.iter().map(|a| a.to_string())).collect();
+    let request = serde_json::json!({
+        "args": command_line,
+        "env": vars.into_iter().collect::<Vec<_>>(),
+        "cwd": cwd,
+        "stdout": stdout,
+        "stderr": stderr,
+    });
+    writeln!(connection, "{request}").expect("the fork server takes the command");
+    let mut status = String::new();
+    BufReader::new(&connection).read_line(&mut status).expect("the fork server answers");
+    let status: i32 = status.trim().parse().unwrap_or_else(|_| panic!("the fork server's answer: {status:?}"));
+    Some(Output {
+        status: ExitStatus::from_raw(status),
+        stdout: std::fs::read(&stdout).expect("the command's standard output"),
+        stderr: std::fs::read(&stderr).expect("the command's standard error"),
+    })
 }
 
 pub fn stderr(o: &Output) -> String {

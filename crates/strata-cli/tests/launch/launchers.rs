@@ -211,3 +211,30 @@ fn slurm_open_mpi_and_torchrun_without_an_agent_store_run_the_same_job_as_strata
         }
     }
 }
+
+/// `strata` ends without libtorch's exit handlers, so it finalises MPI itself: ranks that
+/// used the mpi backend under a real `mpirun` end as Open MPI expects.
+#[test]
+fn ranks_on_the_mpi_backend_end_cleanly_under_mpirun() {
+    let port = free_port();
+    let run = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_ADDR", "-x", "MASTER_PORT"])
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", &port)
+        .arg(crate::common::binary())
+        .args(["bench", "comm", "--backends", "mpi", "--ops", "all_reduce", "--min-bytes", "1024"])
+        .args(["--max-bytes", "1024", "--rounds", "1"])
+        .output();
+    let Ok(out) = run else {
+        eprintln!("skipped: no mpirun here (install Open MPI)");
+        return;
+    };
+    let err = stderr(&out);
+    if err.contains("unknown backend \"mpi\"") {
+        eprintln!("skipped: this build has no mpi backend (build with --features strata/mpi)");
+        return;
+    }
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("improperly") && !err.contains("abnormal termination"), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("all_reduce"));
+}

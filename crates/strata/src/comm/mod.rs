@@ -24,6 +24,14 @@ pub mod store;
 pub mod transport;
 
 pub use env::{init_from_env, launched_world_size, RankInfo, Rendezvous};
+
+/// Releases what the backends hold for the whole process and would otherwise release in
+/// its exit handlers (MPI's finalisation), for a process about to end without running them
+/// (`_exit`). Every group must be gone by then.
+pub fn finish_process() {
+    #[cfg(feature = "mpi")]
+    mpi::finalize_at_exit();
+}
 pub use store::{Store, StoreServer};
 
 use crate::{Error, Result};

@@ -25,7 +25,8 @@ struct Universe(mpi::environment::Universe);
 unsafe impl Send for Universe {}
 unsafe impl Sync for Universe {}
 
-extern "C" fn finalize_at_exit() {
+/// Finalises MPI where this process initialised it and has not finalised it yet.
+pub(super) extern "C" fn finalize_at_exit() {
     // SAFETY: plain MPI queries and finalisation, at process exit, after all groups.
     unsafe {
         let (mut init, mut fin) = (0, 0);
