@@ -1,7 +1,7 @@
 //! `strata fork-server` (hidden): a `strata` process that loads and initializes libtorch
 //! once, then forks a copy of itself for each command a client sends over a Unix socket.
 //! A harness that runs many short commands (the test suite) so skips libtorch's start-up,
-//! about half a second of CPU per command. The copy runs the command as a fresh `strata`
+//! about 0.4 s of CPU per command. The copy runs the command as a fresh `strata`
 //! process would (the client's arguments, environment, working folder and standard
 //! streams) and the client is told how it ended. The server ends by itself when the
 //! process that started it ends, or after it has been idle for `--idle` seconds.

@@ -6,8 +6,8 @@
 //!
 //! A rank that runs this same binary is a fork of the launcher that runs its command in
 //! place, when the launcher may fork safely (see [`can_fork_in_place`]): it skips loading
-//! and initializing libtorch again, about half a second of CPU and 500 MB of page faults
-//! per rank. Any other command runs as a fresh process.
+//! and initializing libtorch again, about 0.4 s of CPU per rank. Any other command runs
+//! as a fresh process.
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::ffi::OsString;
