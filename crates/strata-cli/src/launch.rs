@@ -439,15 +439,18 @@ fn round(
         }
         std::thread::sleep(Duration::from_millis(20));
         running = 0;
+        let mut failed = Vec::new();
         for child in &mut children {
             match child.try_wait()? {
-                Some(status) if !status.success() => {
-                    failure.get_or_insert((child.rank, status));
-                }
+                Some(status) if !status.success() => failed.push((child.rank, status)),
                 Some(_) => {}
                 None => running += 1,
             }
         }
+        // Of ranks found failed together, one killed by a signal is named first: it cannot
+        // have ended in answer to another's end, while a rank whose peer died exits with an
+        // error within moments.
+        failure = failed.iter().find(|(_, status)| status.signal().is_some()).or(failed.first()).copied();
     }
     let interrupted = RECEIVED.load(Ordering::SeqCst);
     if failure.is_some() && interrupted == 0 {
