@@ -4,7 +4,8 @@
 //! about 0.4 s of CPU per command. The copy runs the command as a fresh `strata`
 //! process would (the client's arguments, environment, working folder and standard
 //! streams) and the client is told how it ended. The server ends by itself when the
-//! process that started it ends, or after it has been idle for `--idle` seconds.
+//! process that started it ends, or after it has been idle for `--idle` seconds. It says
+//! `listening on SOCKET` on its standard output once it takes commands.
 //!
 //! Protocol, one connection per command: the client writes one line of JSON
 //! ([`Request`]); the server answers with one line, the command's wait status as
@@ -53,6 +54,9 @@ const WATCH: Duration = Duration::from_millis(500);
 pub fn serve(a: ForkServerArgs) -> Result<()> {
     let idle = crate::options::seconds("--idle", a.idle, true)?;
     let listener = UnixListener::bind(&a.socket).with_context(|| format!("cannot listen on {}", a.socket.display()))?;
+    // One line once commands are taken, for a client to wait on.
+    println!("listening on {}", a.socket.display());
+    std::io::stdout().flush()?;
     // SAFETY: getppid has no preconditions; SIGCHLD ignored makes the kernel reap the copies.
     let parent = unsafe {
         libc::signal(libc::SIGCHLD, libc::SIG_IGN);

@@ -628,16 +628,7 @@ fn the_fork_server_runs_commands_as_processes_of_their_own_and_ends_when_idle() 
     use std::os::unix::process::ExitStatusExt;
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("socket");
-    let mut server = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["fork-server", "--idle", "2", "--socket"])
-        .arg(&socket)
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(start.elapsed().as_secs() < 60, "the server listens");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut server = common::fork_server_start(&socket, &["--idle", "2"]).expect("the server listens");
     let (own, forked) = (dir.path().join("own"), dir.path().join("forked"));
     std::fs::create_dir_all(&own).unwrap();
     std::fs::create_dir_all(&forked).unwrap();
@@ -674,11 +665,6 @@ fn the_fork_server_runs_commands_as_processes_of_their_own_and_ends_when_idle() 
     let (killed, by_process) = run(&steps, &[("STRATA_FAULT", "backward@1")]);
     assert_eq!((killed.status.signal(), by_process.status.signal()), (Some(9), Some(9)));
     // Idle past --idle, it ends by itself and removes its socket.
-    let start = std::time::Instant::now();
-    while server.try_wait().unwrap().is_none() {
-        assert!(start.elapsed().as_secs() < 60, "the idle server did not end");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
     assert!(server.wait().unwrap().success());
     assert!(!socket.exists());
 }

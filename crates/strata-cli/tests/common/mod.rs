@@ -7,7 +7,6 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 /// The binary under test: `STRATA_BIN` where set (test binaries built on another machine,
 /// run beside a copy of the binary), else the one cargo built with them.
@@ -57,24 +56,29 @@ fn fork_server() -> Option<&'static Path> {
         .get_or_init(|| {
             let socket = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("fork-server-{}", std::process::id()));
             let _ = std::fs::remove_file(&socket);
-            Command::new(binary())
-                .args(["fork-server", "--socket"])
-                .arg(&socket)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .spawn()
-                .ok()?;
-            let start = Instant::now();
-            while UnixStream::connect(&socket).is_err() {
-                if start.elapsed() > Duration::from_secs(60) {
-                    eprintln!("the fork server did not start: commands run as processes of their own");
-                    return None;
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            let server = fork_server_start(&socket, &[]);
+            if server.is_none() {
+                eprintln!("the fork server did not start: commands run as processes of their own");
             }
-            Some(socket)
+            server.map(|_| socket)
         })
         .as_deref()
+}
+
+/// Starts `strata fork-server --socket SOCKET EXTRA` and waits for the line it says once it
+/// takes commands; `None` if it ended first.
+pub fn fork_server_start(socket: &Path, extra: &[&str]) -> Option<std::process::Child> {
+    let mut server = Command::new(binary())
+        .args(["fork-server", "--socket"])
+        .arg(socket)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .ok()?;
+    let mut line = String::new();
+    BufReader::new(server.stdout.take()?).read_line(&mut line).ok()?;
+    line.starts_with("listening on").then_some(server)
 }
 
 /// `strata args` run by the fork server, or `None`, before anything ran, where it cannot:
