@@ -3285,6 +3285,16 @@ impl Keys<'_> {
             .transpose()
     }
 
+    /// `num_key_value_heads`, `None` meaning one for each query head: what a null key means
+    /// to every class that loads with one (the others refuse it), while a missing key takes
+    /// the class's default.
+    fn kv_heads(&self, class_default: Option<i64>) -> KeyResult<Option<i64>> {
+        match self.cfg.get("num_key_value_heads") {
+            Some(Value::Null) => Ok(None),
+            _ => Ok(self.int("num_key_value_heads")?.or(class_default)),
+        }
+    }
+
     fn required(&self, key: &str) -> KeyResult<i64> {
         self.int(key)?.ok_or_else(|| format!("config.json: {}{key} is missing", self.prefix))
     }
@@ -3828,7 +3838,7 @@ impl Keys<'_> {
             local_rope,
             kv_heads: match latent {
                 Some(_) => None,
-                None => self.int("num_key_value_heads")?.or(defaults.kv_heads),
+                None => self.kv_heads(defaults.kv_heads)?,
             },
             norm_eps: self.float(family.norm_eps_key())?.unwrap_or(defaults.norm_eps),
             tie_embeddings: match if lfm2 { self.flag("tie_embedding")? } else { None } {
@@ -4235,11 +4245,7 @@ impl Keys<'_> {
         }
         Ok(LlamaConfig {
             ffn_dim: Some(self.int("intermediate_size")?.unwrap_or(21504)),
-            // Its class gives one key/value head per query head where the key is null.
-            kv_heads: Some(match self.cfg.contains_key("num_key_value_heads") {
-                true => self.int("num_key_value_heads")?.unwrap_or(heads),
-                false => 8,
-            }),
+            kv_heads: Some(self.kv_heads(Some(8))?.unwrap_or(heads)),
             head_dim: Some(self.int("head_dim")?.unwrap_or(128)),
             norm_eps: self.float("layer_norm_epsilon")?.unwrap_or(1e-5),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(false),
@@ -6238,6 +6244,18 @@ mod tests {
     /// Keys a Qwen3-Next or Qwen3.5 folder leaves out take `transformers`' defaults for
     /// those classes (head_dim 256, a context of 32,768, the linear attention's sizes, a
     /// quarter of each head turned), not the plain decoder's.
+    #[test]
+    fn a_null_key_value_head_count_means_one_per_query_head_and_a_missing_one_the_class_default() {
+        for family in [Family::Qwen2, Family::Qwen3, Family::Ernie4_5, Family::SeedOss, Family::SmolLm3] {
+            let null = read(family, json!({"num_key_value_heads": null})).unwrap();
+            assert_eq!(null.key_value_heads(), 4, "{family:?}: one per query head");
+            let cfg = json!({"hidden_size": 64, "num_attention_heads": 32, "num_hidden_layers": 3,
+                             "intermediate_size": 48, "vocab_size": 96});
+            let missing = Keys { cfg: cfg.as_object().unwrap(), prefix: String::new() }.decoder(family).unwrap();
+            assert_eq!(missing.kv_heads, family.class_defaults().kv_heads, "{family:?}: its class's default");
+        }
+    }
+
     #[test]
     fn linear_attention_families_default_as_transformers_does() {
         for family in [Family::Qwen3Next, Family::Qwen3_5, Family::Qwen3_5Moe] {
