@@ -376,21 +376,18 @@ pub fn unit_activation_bytes(kept: &[Kept], layout: &Layout, work: &Workload, de
         .collect()
 }
 
-/// Each unit's buffer as the engine lays it out under `layout` on `ranks` ranks: split over
-/// its tensor ranks, an expert group's first rank storing only its own experts (every rank
-/// of the group stores as many), padded to the shard count where it is sharded.
-pub(crate) fn unit_layouts<'a>(
-    spec: &'a ModelSpec,
-    layout: &Layout,
-    ranks: usize,
-) -> impl Iterator<Item = UnitLayout> + 'a {
+/// What a rank of `layout` on `ranks` ranks stores of each parameter, and the shard count
+/// its units' buffers are padded to: split over its tensor ranks, an expert group's first
+/// rank storing only its own experts (every rank of the group stores as many), padded to
+/// the shard count where it is sharded.
+fn storage(spec: &ModelSpec, layout: &Layout, ranks: usize) -> (Holding, i64) {
     let shards = layout.shard_ranks(ranks);
     let pad = if layout.candidate.sharding != Sharding::None && shards > 1 { shards as i64 } else { 1 };
     let holding = Holding {
         tensor: layout.candidate.tensor.max(1) as i64,
         experts: (layout.experts > 1 && !spec.expert_sets.is_empty()).then_some((layout.experts as i64, 0)),
     };
-    (0..spec.units.len()).map(move |u| UnitLayout::held(spec, u, holding, pad))
+    (holding, pad)
 }
 
 /// One unit's parameters as the engine lays them out.
@@ -420,15 +417,32 @@ pub fn counted(spec: &ModelSpec) -> Result<Vec<Kept>> {
 }
 
 /// Pipeline stage splits already balanced (by the units' buffer lengths and the stage
-/// count), and micro-batches each stage holds (by schedule and shape): a search asks for
-/// the same few many times.
+/// count), micro-batches each stage holds (by schedule and shape), and the units' buffer
+/// lengths (by how a rank stores them): a search over one model asks for the same few many
+/// times. One memo serves one model.
 #[derive(Default)]
 pub struct PipelineShapes {
     splits: HashMap<(Vec<u64>, usize, usize), Stages>,
     held: HashMap<(ScheduleKind, usize, usize, usize), Vec<u64>>,
+    lengths: HashMap<(Holding, i64), Vec<(u64, u64)>>,
 }
 
 impl PipelineShapes {
+    /// Each unit's buffer length and trained length as the engine lays the unit out under
+    /// `layout` on `ranks` ranks ([`storage`]).
+    pub(crate) fn unit_lengths(&mut self, spec: &ModelSpec, layout: &Layout, ranks: usize) -> Vec<(u64, u64)> {
+        let (holding, pad) = storage(spec, layout, ranks);
+        self.lengths
+            .entry((holding, pad))
+            .or_insert_with(|| {
+                (0..spec.units.len())
+                    .map(|u| UnitLayout::held(spec, u, holding, pad))
+                    .map(|l| (l.len as u64, l.grad_len() as u64))
+                    .collect()
+            })
+            .clone()
+    }
+
     /// The most micro-batches each stage of `pipeline` holds at once under `kind`.
     pub fn held(&mut self, kind: ScheduleKind, pipeline: Pipeline) -> Result<Vec<u64>> {
         let key = (kind, pipeline.stages, pipeline.micro_batches, pipeline.virtual_stages);
@@ -493,9 +507,11 @@ pub fn estimate_with(
     let dp = layout.shard_ranks(work.ranks);
     let sharded = c.sharding != Sharding::None && dp > 1;
     let lent = spec.lent_units();
-    let units: Vec<UnitStates> = unit_layouts(spec, layout, work.ranks)
+    let units: Vec<UnitStates> = memo
+        .unit_lengths(spec, layout, work.ranks)
+        .into_iter()
         .zip(lent)
-        .map(|(l, lent)| UnitStates { len: l.len as u64, grad_len: l.grad_len() as u64, lent })
+        .map(|((len, grad_len), lent)| UnitStates { len, grad_len, lent })
         .collect();
     if kept.len() != spec.units.len() {
         return Err(Error::Config(format!("{} units' activations for {} units", kept.len(), spec.units.len())));

@@ -356,7 +356,7 @@ pub fn step_time(
     }
     let m = work.micro_batches.max(1);
     // The stages as the engine splits them (by parameters, the balance plans ask for).
-    let lens: Vec<u64> = estimate::unit_layouts(spec, layout, work.ranks).map(|l| l.len as u64).collect();
+    let lens: Vec<u64> = memo.shapes.unit_lengths(spec, layout, work.ranks).into_iter().map(|(len, _)| len).collect();
     let stages = memo.shapes.stages(&lens, p, layout.virtual_stages)?;
     let stage_sum = |v: &[f64], (a, b): (usize, usize)| v[a..b].iter().sum::<f64>();
     // The slowest stage sets the pipeline's pace (per micro-batch, per chunk).

@@ -154,7 +154,7 @@ pub struct UnitLayout {
 /// What of each parameter a rank stores: its tensor rank's piece ([`TpRole`]) and, where an
 /// expert group stores its routed experts apart, nothing of the experts the group's other
 /// ranks compute.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Holding {
     /// Ranks of the tensor group.
     pub tensor: i64,

@@ -951,8 +951,13 @@ impl ModelSpec {
     /// For each unit, whether another unit reads its parameters (a tied weight): its whole
     /// gradient lives from the first backward that adds to it to the last.
     pub fn lent_units(&self) -> Vec<bool> {
-        let reads = self.units_read();
-        (0..self.units.len()).map(|u| reads.iter().enumerate().any(|(k, r)| k != u && r.contains(&u))).collect()
+        let mut lent = vec![false; self.units.len()];
+        for (reader, read) in self.units_read().iter().enumerate() {
+            for &owner in read.iter().filter(|&&owner| owner != reader) {
+                lent[owner] = true;
+            }
+        }
+        lent
     }
 
     /// Turns gradients off for every parameter whose name contains one of `patterns`
