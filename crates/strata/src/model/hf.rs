@@ -2522,9 +2522,9 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         // Gemma's classes name it hidden_activation, written with their keys.
         Activation::GeluTanh => {}
     }
-    if let Some(t) = c.padding_token {
-        v["pad_token_id"] = json!(t);
-    }
+    // Null where the model has none: a missing key would give the class's default padding
+    // row (Gemma's, Jamba's, Cohere's ...), which `transformers` would leave untrained.
+    v["pad_token_id"] = json!(c.padding_token);
     v
 }
 
@@ -6151,6 +6151,11 @@ mod tests {
         let all_full = json!({"layer_types": ["full_attention", "full_attention", "full_attention"]});
         let ModelConfig::Llama(exaone) = round_trip(Family::Exaone4, all_full) else { unreachable!() };
         assert_eq!((exaone.sliding_window, exaone.unrotated_layers), (Some(4096), vec![0, 1, 2]));
+        // A class with a padding row by default keeps none where the model has none.
+        let ModelConfig::Llama(unpadded) = round_trip(Family::Gemma2, json!({"pad_token_id": null})) else {
+            unreachable!()
+        };
+        assert_eq!(unpadded.padding_token, None);
         // ERNIE 4.5's every second layer from the first: the span its keys write says the same.
         let stepped = json!({"moe_layer_start_index": 0, "moe_layer_interval": 2, "num_hidden_layers": 5});
         round_trip(Family::Ernie4_5Moe, stepped);
