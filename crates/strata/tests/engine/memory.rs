@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use strata::comm::{Comm, Store, StoreServer};
 use strata::data::{Batch, Step};
-use strata::engine::{Category, EngineConfig, Event, EventLog, Phase};
+use strata::engine::{with_seed, Category, EngineConfig, Event, EventLog, Phase};
 use strata::model::{self, Builder, GptConfig, MlpConfig, ModelSpec};
 use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use strata::parallel::{build_engine, RankLayout};
@@ -33,8 +33,9 @@ fn gpt_spec() -> ModelSpec {
 }
 
 fn step(rank: usize) -> Step {
-    tch::manual_seed(rank as i64);
-    let tokens = Tensor::randint(32, [2, 9], (Kind::Int64, Device::Cpu));
+    // Drawn under the engine's lock: reseeding the process's one generator unlocked could
+    // land between another test's seeding and its engine's initial draws.
+    let tokens = with_seed(rank as i64, || Tensor::randint(32, [2, 9], (Kind::Int64, Device::Cpu)));
     Step::new(0, vec![Batch::new(tokens.narrow(1, 0, 8), tokens.narrow(1, 1, 8)).unwrap()])
 }
 
