@@ -6246,9 +6246,6 @@ mod tests {
         assert!(short.contains("no_rope_layers is not a list of 3 flags"), "{short}");
     }
 
-    /// Keys a Qwen3-Next or Qwen3.5 folder leaves out take `transformers`' defaults for
-    /// those classes (head_dim 256, a context of 32,768, the linear attention's sizes, a
-    /// quarter of each head turned), not the plain decoder's.
     #[test]
     fn a_null_key_value_head_count_means_one_per_query_head_and_a_missing_one_the_class_default() {
         for family in [Family::Qwen2, Family::Qwen3, Family::Ernie4_5, Family::SeedOss, Family::SmolLm3] {
@@ -6261,6 +6258,9 @@ mod tests {
         }
     }
 
+    /// Keys a Qwen3-Next or Qwen3.5 folder leaves out take `transformers`' defaults for
+    /// those classes (head_dim 256, a context of 32,768, the linear attention's sizes, a
+    /// quarter of each head turned), not the plain decoder's.
     #[test]
     fn linear_attention_families_default_as_transformers_does() {
         for family in [Family::Qwen3Next, Family::Qwen3_5, Family::Qwen3_5Moe] {
