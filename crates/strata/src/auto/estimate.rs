@@ -886,6 +886,29 @@ mod tests {
         Layout::new(Candidate::plain(precision, sharding, checkpoint))
     }
 
+    /// One memo serving a search gives every layout the estimate a fresh one would: the
+    /// units' buffers it keeps are told apart by tensor split and shard padding.
+    #[test]
+    fn a_memo_shared_across_layouts_estimates_each_as_a_fresh_one() {
+        let model = ModelConfig::Gpt(GptConfig::new(250, 32, 2, 4, 64));
+        let spec = model.spec().unwrap();
+        let kept = counted(&spec).unwrap();
+        let machine = Machine { device: device_kind("cpu").unwrap(), device_bytes: u64::MAX, host_bytes: u64::MAX };
+        // Six shards pad the units' buffers, which four would divide.
+        let work = Workload { ranks: 6, micro_batch: 8, ctx: 32, micro_batches: 1, optimizer_state_bytes: 8 };
+        let tensor = |t: usize| {
+            let c = Candidate { tensor: t, ..Candidate::plain(Precision::Fp32, Sharding::None, false) };
+            Layout::new(c)
+        };
+        let layouts = [tensor(1), layout(Precision::Fp32, Sharding::Fsdp, false), tensor(2)];
+        let mut memo = PipelineShapes::default();
+        for l in &layouts {
+            let shared = serde_json::to_value(estimate_with(&kept, &spec, l, &work, &machine, &mut memo).unwrap());
+            let fresh = serde_json::to_value(estimate_spec(&spec, l, &work, &machine).unwrap());
+            assert_eq!(shared.unwrap(), fresh.unwrap(), "{l:?}");
+        }
+    }
+
     #[test]
     fn generation_counts_its_cache_and_the_reference_copy() {
         let model = ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64));
